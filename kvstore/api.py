@@ -1,0 +1,90 @@
+"""What workers see of the store: a small facade and the plain data it exchanges.
+
+Workers depend on this protocol only, so the same engine runs on the embedded store
+(``kvstore.local.LocalStore``), on a cluster (``kvstore.client.ClusterStore``), or on nothing
+(``--no-cache``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from kvstore.keys import Namespace
+
+#: Reasons a requested block did not come back. Metrics count misses by these.
+MISS_NOT_FOUND = "not_found"
+MISS_CORRUPTED = "corrupted"
+MISS_MISMATCH = "mismatch"
+MISS_NODE_UNAVAILABLE = "node_unavailable"
+MISS_LEASE_EXPIRED = "lease_expired"
+
+TokenIds = Sequence[int] | np.ndarray | torch.Tensor
+
+
+@dataclass(slots=True)
+class BlockPut:
+    """One full block to publish: its chained key, parent, tokens and ``[L,2,bs,H,D]`` KV."""
+
+    key: bytes
+    parent_key: bytes
+    token_ids: TokenIds
+    payload: torch.Tensor
+
+
+@dataclass(slots=True)
+class FetchedBlock:
+    """A verified block copied into memory the caller owns."""
+
+    key: bytes
+    payload: torch.Tensor
+    node_id: str
+
+
+@dataclass(slots=True)
+class Miss:
+    """A block that could not be used, and why (one of the ``MISS_*`` reasons)."""
+
+    key: bytes
+    reason: str
+    detail: str = ""
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """The longest cached prefix of a key chain and, per block, the nodes holding it."""
+
+    num_blocks: int
+    holders: list[list[str]] = field(default_factory=list)
+
+
+class KVStore(Protocol):
+    """The store as a worker uses it."""
+
+    node_id: str
+
+    def lookup_prefix(self, namespace: Namespace, keys: Sequence[bytes]) -> PrefixHit:
+        """How many leading ``keys`` are cached, and where."""
+        ...
+
+    def batch_get(
+        self,
+        namespace: Namespace,
+        keys: Sequence[bytes],
+        token_ids: Sequence[TokenIds],
+    ) -> list[FetchedBlock | Miss]:
+        """Lease, fetch, verify and copy out blocks; one result per key, in order.
+
+        Verification failures and unreachable holders come back as ``Miss``, never raise.
+        """
+        ...
+
+    def batch_put(self, namespace: Namespace, blocks: Sequence[BlockPut]) -> None:
+        """Publish blocks; returns once every key is visible to every reader."""
+        ...
+
+    def close(self) -> None: ...

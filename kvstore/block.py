@@ -1,0 +1,276 @@
+"""The self-describing block format (design.md §3.2), verified on every read.
+
+::
+
+    0        4                 4+header_len      payload_offset (64-byte aligned)
+    +--------+-----------------+-----------------+------------------------------------------+
+    | u32 LE | header (msgpack)| zero pad to 64  | payload: L x [ K | V ], each [bs, H, D]   |
+    | hdrlen |                 |                 | = tensor [L, 2, bs, H, D] in ns dtype    |
+    +--------+-----------------+-----------------+------------------------------------------+
+
+Every header field has a fixed width (bytes, not variable-length ints), so a namespace fixes
+the block's total size: pools can hand out equal slots. The payload checksum is xxh3-64. A
+reader compares the header with what it asked for (namespace, key, tokens, layout) and the
+checksum with the bytes; any difference raises, so wrong KV never reaches a model.
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import torch
+import xxhash
+
+from kvstore.errors import BlockCorrupted, BlockMismatch, NamespaceMismatch
+from kvstore.keys import KEY_NBYTES, Namespace, tokens_to_bytes
+
+ALIGN = 64
+_LEN = struct.Struct("<I")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    """What a block says about itself."""
+
+    schema_version: int
+    namespace_root: bytes
+    key: bytes
+    parent_key: bytes
+    token_ids: bytes  # int64 little-endian, block_size of them
+    dtype: str
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    checksum: bytes  # xxh3-64 of the payload, big-endian
+
+    def pack(self) -> bytes:
+        return msgpack.packb(
+            [
+                self.schema_version,
+                self.namespace_root,
+                self.key,
+                self.parent_key,
+                self.token_ids,
+                self.dtype,
+                self.num_layers,
+                self.block_size,
+                self.num_kv_heads,
+                self.head_dim,
+                self.checksum,
+            ]
+        )
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview) -> BlockHeader:
+        try:
+            fields = msgpack.unpackb(raw)
+            return cls(*fields)
+        except Exception as exc:  # any parse failure means the bytes are not a block
+            raise BlockCorrupted(f"block header cannot be parsed: {exc}") from exc
+
+    def token_list(self) -> list[int]:
+        return np.frombuffer(self.token_ids, dtype="<i8").tolist()
+
+
+def _header_for(
+    namespace: Namespace, key: bytes, parent_key: bytes, token_bytes: bytes, checksum: bytes
+) -> BlockHeader:
+    return BlockHeader(
+        namespace.schema_version,
+        namespace.root,
+        key,
+        parent_key,
+        token_bytes,
+        namespace.dtype,
+        namespace.num_layers,
+        namespace.block_size,
+        namespace.num_kv_heads,
+        namespace.head_dim,
+        checksum,
+    )
+
+
+def payload_offset(namespace: Namespace) -> int:
+    """Byte offset of the payload: fixed for a namespace because every header field is."""
+    dummy = _header_for(
+        namespace, b"\0" * KEY_NBYTES, b"\0" * KEY_NBYTES, b"\0" * (8 * namespace.block_size),
+        b"\0" * 8,
+    )
+    return _align(_LEN.size + len(dummy.pack()))
+
+
+def block_nbytes(namespace: Namespace) -> int:
+    """Total encoded size of one block of ``namespace``."""
+    return payload_offset(namespace) + namespace.payload_nbytes
+
+
+def checksum(payload: memoryview | bytes | bytearray) -> bytes:
+    """xxh3-64 of the payload bytes, as 8 big-endian bytes."""
+    return xxhash.xxh3_64_digest(payload)
+
+
+def _as_bytes_view(buf: object) -> memoryview:
+    if isinstance(buf, torch.Tensor):
+        if not buf.is_contiguous() or buf.device.type != "cpu":
+            raise ValueError("block buffer tensor must be a contiguous CPU tensor")
+        return memoryview(buf.numpy()).cast("B")
+    view = memoryview(buf)  # type: ignore[arg-type]
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _tensor_view(view: memoryview, namespace: Namespace) -> torch.Tensor:
+    with warnings.catch_warnings():
+        # Read-only buffers (bytes from the wire) give a read-only-memory warning; the caller
+        # owns the buffer and copies before writing, so the view is safe to hand out.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(view, dtype=namespace.torch_dtype, count=namespace.payload_nbytes
+                                // namespace.torch_dtype.itemsize) if len(view) else None
+    if flat is None:
+        raise BlockCorrupted("block payload is empty")
+    return flat.view(namespace.payload_shape)
+
+
+def payload_view(buf: object, namespace: Namespace) -> torch.Tensor:
+    """The payload region of a block buffer as a ``[L, 2, bs, H, D]`` tensor view (no copy)."""
+    view = _as_bytes_view(buf)
+    off = payload_offset(namespace)
+    end = off + namespace.payload_nbytes
+    if len(view) < end:
+        raise BlockCorrupted(f"block is truncated: {len(view)} bytes, expected {end}")
+    return _tensor_view(view[off:end], namespace)
+
+
+def encode_block_into(
+    buf: object,
+    namespace: Namespace,
+    key: bytes,
+    parent_key: bytes,
+    token_ids: Sequence[int] | np.ndarray | torch.Tensor,
+    payload: torch.Tensor,
+) -> int:
+    """Write one block into ``buf`` (a caller-given writable buffer); returns bytes written.
+
+    The payload is copied once, straight into its place, and the checksum is computed from
+    the written bytes.
+    """
+    if tuple(payload.shape) != namespace.payload_shape:
+        raise ValueError(
+            f"payload shape {tuple(payload.shape)} does not match the namespace layout "
+            f"{namespace.payload_shape} ([num_layers, 2, block_size, num_kv_heads, head_dim])"
+        )
+    if payload.dtype != namespace.torch_dtype:
+        raise ValueError(f"payload dtype {payload.dtype} is not the namespace's {namespace.dtype}")
+    token_bytes = tokens_to_bytes(token_ids)
+    if len(token_bytes) != 8 * namespace.block_size:
+        raise ValueError(
+            f"a block holds exactly {namespace.block_size} tokens, got {len(token_bytes) // 8}"
+        )
+    if len(key) != KEY_NBYTES or len(parent_key) != KEY_NBYTES:
+        raise ValueError("key and parent_key must be 32-byte sha256 digests")
+    view = _as_bytes_view(buf)
+    total = block_nbytes(namespace)
+    if len(view) < total:
+        raise ValueError(f"buffer of {len(view)} bytes is too small for a {total}-byte block")
+    if view.readonly:
+        raise ValueError("block buffer must be writable")
+    dst = payload_view(view, namespace)
+    dst.copy_(payload.detach().to("cpu"))
+    off = payload_offset(namespace)
+    digest = checksum(view[off : off + namespace.payload_nbytes])
+    header = _header_for(namespace, key, parent_key, token_bytes, digest).pack()
+    start = _LEN.size
+    view[:start] = _LEN.pack(len(header))
+    view[start : start + len(header)] = header
+    view[start + len(header) : off] = bytes(off - start - len(header))
+    return total
+
+
+def encode_block(
+    namespace: Namespace,
+    key: bytes,
+    parent_key: bytes,
+    token_ids: Sequence[int] | np.ndarray | torch.Tensor,
+    payload: torch.Tensor,
+) -> bytearray:
+    """Encode one block into a new buffer."""
+    buf = bytearray(block_nbytes(namespace))
+    encode_block_into(buf, namespace, key, parent_key, token_ids, payload)
+    return buf
+
+
+def read_header(buf: object) -> BlockHeader:
+    """Parse the header of an encoded block (no verification of the payload)."""
+    view = _as_bytes_view(buf)
+    if len(view) < _LEN.size:
+        raise BlockCorrupted(f"block is truncated: {len(view)} bytes")
+    (hlen,) = _LEN.unpack(view[: _LEN.size])
+    if _LEN.size + hlen > len(view):
+        raise BlockCorrupted(f"block header length {hlen} runs past the {len(view)}-byte block")
+    header = BlockHeader.unpack(view[_LEN.size : _LEN.size + hlen])
+    if not isinstance(header.key, bytes) or not isinstance(header.token_ids, bytes):
+        raise BlockCorrupted("block header fields have the wrong types")
+    return header
+
+
+def verify_block(
+    buf: object,
+    namespace: Namespace,
+    key: bytes,
+    token_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+    *,
+    verify_checksum: bool = True,
+) -> BlockHeader:
+    """Check a block against what the reader asked for; raises the first mismatch found."""
+    view = _as_bytes_view(buf)
+    header = read_header(view)
+    if header.schema_version != namespace.schema_version:
+        raise NamespaceMismatch(
+            f"block schema_version {header.schema_version} != reader's {namespace.schema_version}"
+        )
+    layout = (header.dtype, header.num_layers, header.block_size, header.num_kv_heads,
+              header.head_dim)
+    want = (namespace.dtype, namespace.num_layers, namespace.block_size, namespace.num_kv_heads,
+            namespace.head_dim)
+    if layout != want:
+        raise NamespaceMismatch(
+            f"block layout (dtype, layers, block_size, kv_heads, head_dim)={layout} "
+            f"!= reader's {want}"
+        )
+    if header.namespace_root != namespace.root:
+        raise NamespaceMismatch(
+            "block belongs to another namespace (model fingerprint or cache salt differ)"
+        )
+    if header.key != key:
+        raise BlockMismatch(f"block key {header.key.hex()[:16]} != requested {key.hex()[:16]}")
+    if token_ids is not None and header.token_ids != tokens_to_bytes(token_ids):
+        raise BlockMismatch(f"block {key.hex()[:16]} holds other tokens than requested")
+    off = payload_offset(namespace)
+    end = off + namespace.payload_nbytes
+    if len(view) < end:
+        raise BlockCorrupted(f"block is truncated: {len(view)} bytes, expected {end}")
+    if verify_checksum and checksum(view[off:end]) != header.checksum:
+        raise BlockCorrupted(f"block {key.hex()[:16]} payload checksum mismatch")
+    return header
+
+
+def decode_block(
+    buf: object,
+    namespace: Namespace,
+    key: bytes,
+    token_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+    *,
+    verify_checksum: bool = True,
+) -> torch.Tensor:
+    """Verify a block and return its payload as a ``[L, 2, bs, H, D]`` view into ``buf``."""
+    verify_block(buf, namespace, key, token_ids, verify_checksum=verify_checksum)
+    return payload_view(buf, namespace)

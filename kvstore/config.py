@@ -1,0 +1,252 @@
+"""One config dataclass per component, loaded from YAML and ``KVSTORE_*`` variables.
+
+Precedence: defaults < YAML file < environment. A YAML file has one mapping per component
+(``pool:``, ``server:``, ``client:``, ``index:``, ``coordinator:``, ``worker:``); the variable
+for a field is ``KVSTORE_<COMPONENT>_<FIELD>`` (``KVSTORE_POOL_CAPACITY_BYTES=4GiB``).
+Every dataclass validates itself in ``__post_init__`` with a message that names the setting
+and says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvstore.errors import ConfigError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KI": 1024, "KIB": 1024, "M": 1000**2,
+          "MB": 1000**2, "MI": 1024**2, "MIB": 1024**2, "G": 1000**3, "GB": 1000**3,
+          "GI": 1024**3, "GIB": 1024**3, "T": 1000**4, "TB": 1000**4, "TI": 1024**4,
+          "TIB": 1024**4}
+
+
+def parse_size(value: str | int) -> int:
+    """``"4GiB"`` -> 4294967296; ints pass through. Raises ConfigError on anything else."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ConfigError(f"{value!r} is not a size; write e.g. 512MiB, 4GiB or 1073741824")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass(slots=True)
+class PoolConfig:
+    """A store node's block memory."""
+
+    capacity_bytes: int = 1 << 30
+    shm_dir: str = "/dev/shm"
+
+    def __post_init__(self) -> None:
+        self.capacity_bytes = parse_size(self.capacity_bytes)
+        _check(self.capacity_bytes > 0, "pool.capacity_bytes must be > 0 (e.g. 4GiB)")
+        _check(os.path.isdir(self.shm_dir), f"pool.shm_dir {self.shm_dir!r} is not a directory")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """A store node's gRPC server (control + data) and its bulk byte channel."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    bulk_port: int = 0
+    advertise_host: str | None = None
+    auth_token: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    max_message_bytes: int = 64 << 20
+    max_workers: int = 8
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        self.max_message_bytes = parse_size(self.max_message_bytes)
+        for name in ("port", "bulk_port"):
+            v = getattr(self, name)
+            _check(0 <= v < 65536, f"server.{name} must be in [0, 65535] (0 picks a free port)")
+        _check((self.tls_cert_file is None) == (self.tls_key_file is None),
+               "server.tls_cert_file and server.tls_key_file must be set together")
+        _check(self.max_message_bytes >= 4 << 20, "server.max_message_bytes must be >= 4MiB")
+        _check(self.max_workers >= 1, "server.max_workers must be >= 1")
+
+
+@dataclass(slots=True)
+class ClientConfig:
+    """How clients reach store nodes."""
+
+    timeout_s: float = 30.0
+    retries: int = 2
+    auth_token: str | None = None
+    tls_ca_file: str | None = None
+    max_message_bytes: int = 64 << 20
+    node_id: str | None = None
+
+    def __post_init__(self) -> None:
+        self.max_message_bytes = parse_size(self.max_message_bytes)
+        _check(self.timeout_s > 0, "client.timeout_s must be > 0 seconds")
+        _check(self.retries >= 0, "client.retries must be >= 0")
+
+
+@dataclass(slots=True)
+class IndexConfig:
+    """The global index: ``memory`` (embedded default) or ``redis``."""
+
+    backend: str = "memory"
+    redis_url: str | None = None
+    key_prefix: str = "kvstore:"
+
+    def __post_init__(self) -> None:
+        _check(self.backend in ("memory", "redis"),
+               f"index.backend must be 'memory' or 'redis', got {self.backend!r}")
+        if self.backend == "redis":
+            _check(bool(self.redis_url), "index.backend=redis needs index.redis_url "
+                   "(redis://[:password@]host:port/db or rediss:// for TLS)")
+
+
+@dataclass(slots=True)
+class CoordinatorConfig:
+    """Cluster LRU, watermarks, leases, pins and liveness."""
+
+    high_watermark: float = 0.90
+    low_watermark: float = 0.80
+    lease_ttl_s: float = 30.0
+    soft_pin_ttl_s: float = 3600.0
+    node_timeout_s: float = 10.0
+    heartbeat_interval_s: float = 1.0
+    hot_fetch_threshold: int = 3
+
+    def __post_init__(self) -> None:
+        _check(0 < self.low_watermark < self.high_watermark <= 1.0,
+               "coordinator watermarks need 0 < low_watermark < high_watermark <= 1 "
+               f"(got low={self.low_watermark}, high={self.high_watermark})")
+        _check(self.lease_ttl_s > 0, "coordinator.lease_ttl_s must be > 0")
+        _check(self.node_timeout_s > self.heartbeat_interval_s > 0,
+               "coordinator.node_timeout_s must exceed heartbeat_interval_s > 0")
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """Model and engine settings of prefill/decode workers."""
+
+    model: str = "tiny"
+    seed: int = 0
+    dtype: str = "float32"
+    block_size: int = 16
+    prefill_chunk_tokens: int = 256
+    num_threads: int = 1
+    cache_salt: str = ""
+    max_new_tokens: int = 16
+    request_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        _check(self.block_size > 0, "worker.block_size must be > 0")
+        _check(self.prefill_chunk_tokens > 0 and self.prefill_chunk_tokens % self.block_size == 0,
+               f"worker.prefill_chunk_tokens ({self.prefill_chunk_tokens}) must be a positive "
+               f"multiple of worker.block_size ({self.block_size})")
+        _check(self.num_threads >= 1, "worker.num_threads must be >= 1")
+
+
+@dataclass(slots=True)
+class KVStoreConfig:
+    """All components' settings."""
+
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    index: IndexConfig = field(default_factory=IndexConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Turn a YAML or environment value into the field's type."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
+            return None
+        return _coerce(value, args[0], where)
+    try:
+        if tp is bool:
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if tp is int:
+            return parse_size(value) if isinstance(value, str) else int(value)
+        if tp is float:
+            return float(value)
+        if tp is str:
+            return str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {value!r} is not a valid {tp.__name__}") from exc
+    return value
+
+
+def _build(cls: type, values: Mapping[str, Any], section: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(values) - names
+    if unknown:
+        raise ConfigError(
+            f"unknown setting(s) {sorted(unknown)} in '{section}'; known: {sorted(names)}"
+        )
+    kwargs = {k: _coerce(v, hints[k], f"{section}.{k}") for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def load_config(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> KVStoreConfig:
+    """Load settings: defaults, then the YAML file, then ``KVSTORE_*`` variables, then overrides.
+
+    ``overrides`` is ``{component: {field: value}}`` (command-line flags).
+    """
+    env = os.environ if env is None else env
+    raw: dict[str, dict[str, Any]] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must be a mapping of components")
+        for section, values in loaded.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"config section {section!r} in {path} must be a mapping")
+            raw[str(section)] = dict(values)
+    sections = {f.name: f.type for f in dataclasses.fields(KVStoreConfig)}
+    unknown = set(raw) - set(sections)
+    if unknown:
+        raise ConfigError(f"unknown config section(s) {sorted(unknown)}; known: {sorted(sections)}")
+    hints = typing.get_type_hints(KVStoreConfig)
+    for section in sections:
+        cls = hints[section]
+        prefix = f"KVSTORE_{section.upper()}_"
+        for f in dataclasses.fields(cls):
+            var = prefix + f.name.upper()
+            if var in env:
+                raw.setdefault(section, {})[f.name] = env[var]
+    for section, values in (overrides or {}).items():
+        raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
+    built = {s: _build(hints[s], raw.get(s, {}), s) for s in sections}
+    return KVStoreConfig(**built)

@@ -1,0 +1,59 @@
+"""The typed errors of kvstore.
+
+Every failure a caller can act on has its own class, so callers branch on types, never on
+integer codes or message text. gRPC status codes are mapped from these only at the server
+boundary (``kvstore.server``) and back into these in the client.
+"""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base of every error kvstore raises on purpose."""
+
+
+class ConfigError(KVStoreError, ValueError):
+    """A setting is invalid; the message names the setting and what to change."""
+
+
+class BlockNotFound(KVStoreError, KeyError):
+    """The key is not held where it was looked for (evicted, never published, node gone)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "block not found"
+
+
+class BlockCorrupted(KVStoreError):
+    """The bytes of a block do not match their checksum or cannot be parsed."""
+
+
+class BlockMismatch(KVStoreError):
+    """A well-formed block is not the one asked for (key, tokens, layout or namespace differ)."""
+
+
+class NamespaceMismatch(BlockMismatch):
+    """The block belongs to another model, dtype, layout or tenant."""
+
+
+class PoolFull(KVStoreError):
+    """The node's pool has no room for the block, even after evicting what it may evict."""
+
+
+class RequestTooLarge(KVStoreError):
+    """A request or block is larger than the configured limits allow."""
+
+
+class LeaseExpired(KVStoreError):
+    """A lease ended before its holder released it; the bytes may have been reused."""
+
+
+class Unauthenticated(KVStoreError):
+    """The caller's auth token is missing or wrong."""
+
+
+class NodeUnavailable(KVStoreError):
+    """A store node or the coordinator could not be reached before the deadline."""
+
+
+class RequestCancelled(KVStoreError):
+    """The request was cancelled or timed out; its leases were released."""

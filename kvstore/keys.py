@@ -1,0 +1,203 @@
+"""Namespaces and chained block keys (design.md §3.1).
+
+A key names a block of ``block_size`` tokens *and everything before it*: it chains the parent
+key with the block's token ids, starting from the namespace root. Two prompts share a key only
+if they share the whole prefix, in the same model, dtype, layout and tenant. sha256 is used,
+never Python's ``hash()``, so keys are the same on every machine and every run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NewType
+
+import msgpack
+import numpy as np
+import torch
+
+from kvstore.errors import ConfigError
+
+BlockKey = NewType("BlockKey", bytes)
+
+SCHEMA_VERSION = 1
+KEY_NBYTES = 32
+
+#: dtype names as the namespace spells them (torch's names without the ``torch.`` prefix).
+DTYPES: dict[str, torch.dtype] = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "int8": torch.int8,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The namespace spelling of a torch dtype (``torch.float16`` -> ``"float16"``)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {dtype} is not supported; use one of {sorted(DTYPES)}")
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything that makes KV bytes incompatible; its sha256 is the root of every key chain."""
+
+    model_fingerprint: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    cache_salt: str = ""
+    schema_version: int = SCHEMA_VERSION
+    _root: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(
+                f"namespace dtype {self.dtype!r} is not supported; use one of {sorted(DTYPES)}"
+            )
+        for name in ("block_size", "num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"namespace {name} must be a positive int, got {value!r}")
+        if not self.model_fingerprint:
+            raise ConfigError("namespace model_fingerprint must not be empty")
+        object.__setattr__(self, "_root", hashlib.sha256(self.encode()).digest())
+
+    def encode(self) -> bytes:
+        """The canonical encoding: msgpack of the fields in the order design.md §3.1 fixes."""
+        return msgpack.packb(
+            [
+                self.schema_version,
+                self.model_fingerprint,
+                self.dtype,
+                self.block_size,
+                self.num_layers,
+                self.num_kv_heads,
+                self.head_dim,
+                self.cache_salt,
+            ]
+        )
+
+    @property
+    def root(self) -> bytes:
+        """sha256 of the canonical encoding: the parent of the first block's key."""
+        return self._root
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def payload_shape(self) -> tuple[int, int, int, int, int]:
+        """``[num_layers, 2, block_size, num_kv_heads, head_dim]``: K then V for each layer."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def payload_nbytes(self) -> int:
+        n = 1
+        for d in self.payload_shape:
+            n *= d
+        return n * self.torch_dtype.itemsize
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain fields, for messages and configs."""
+        return {
+            "model_fingerprint": self.model_fingerprint,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "cache_salt": self.cache_salt,
+            "schema_version": self.schema_version,
+        }
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, object]) -> Namespace:
+        return cls(**fields)  # type: ignore[arg-type]
+
+
+def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
+    """Token ids as little-endian int64: the bytes every key hashes."""
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"token_ids must be integers, got dtype {arr.dtype}")
+    return arr.astype("<i8", copy=False).tobytes()
+
+
+def chain_keys(parent: bytes, token_bytes: bytes, block_size: int) -> list[BlockKey]:
+    """Keys of the full blocks in ``token_bytes`` (int64 LE), chained from ``parent``."""
+    stride = block_size * 8
+    keys: list[BlockKey] = []
+    sha256 = hashlib.sha256
+    view = memoryview(token_bytes)
+    for start in range(0, len(token_bytes) - stride + 1, stride):
+        h = sha256(parent)
+        h.update(view[start : start + stride])
+        parent = h.digest()
+        keys.append(BlockKey(parent))
+    return keys
+
+
+class BlockHasher:
+    """Keys of a sequence's full blocks in one namespace, from scratch or incrementally."""
+
+    def __init__(self, namespace: Namespace) -> None:
+        self.namespace = namespace
+        self.block_size = namespace.block_size
+
+    def block_keys(
+        self,
+        token_ids: Sequence[int] | np.ndarray | torch.Tensor,
+        parent: bytes | None = None,
+    ) -> list[BlockKey]:
+        """Keys of every full block of ``token_ids``; a partial tail block gets no key.
+
+        ``parent`` continues a chain: pass the last key of the blocks before ``token_ids``
+        (which must then start on a block boundary). ``None`` starts from the namespace root.
+        """
+        return chain_keys(
+            self.namespace.root if parent is None else parent,
+            tokens_to_bytes(token_ids),
+            self.block_size,
+        )
+
+    def sequence(self) -> SequenceHasher:
+        """An incremental hasher for a growing sequence (decode appends tokens one by one)."""
+        return SequenceHasher(self.namespace)
+
+
+class SequenceHasher:
+    """Keys of a growing sequence: each full block is hashed once, when it fills."""
+
+    def __init__(self, namespace: Namespace) -> None:
+        self.namespace = namespace
+        self.keys: list[BlockKey] = []
+        self._pending: list[int] = []
+
+    @property
+    def parent(self) -> bytes:
+        return self.keys[-1] if self.keys else self.namespace.root
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.keys) * self.namespace.block_size + len(self._pending)
+
+    def extend(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> list[BlockKey]:
+        """Append tokens; returns the keys of the blocks they completed (possibly none)."""
+        bs = self.namespace.block_size
+        pending = self._pending + [int(t) for t in np.asarray(token_ids).reshape(-1)]
+        num_full = len(pending) // bs * bs
+        new = chain_keys(self.parent, tokens_to_bytes(pending[:num_full]), bs)
+        self.keys.extend(new)
+        self._pending = pending[num_full:]
+        return new
