@@ -62,6 +62,16 @@ class PrefixHit:
     holders: list[list[str]] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class NodeAddress:
+    """Where a store node listens: gRPC (control + data), the bulk byte channel, its arena file."""
+
+    node_id: str
+    grpc_address: str
+    bulk_address: str | None = None
+    shm_path: str | None = None
+
+
 class KVStore(Protocol):
     """The store as a worker uses it."""
 
