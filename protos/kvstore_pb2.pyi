@@ -1,0 +1,199 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class NamespaceSpec(_message.Message):
+    __slots__ = ("schema_version", "model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "cache_salt")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    model_fingerprint: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    cache_salt: str
+    def __init__(self, schema_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+
+class PutChunk(_message.Message):
+    __slots__ = ("namespace", "key", "total_nbytes", "offset", "data")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    namespace: NamespaceSpec
+    key: bytes
+    total_nbytes: int
+    offset: int
+    data: bytes
+    def __init__(self, namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., key: _Optional[bytes] = ..., total_nbytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("num_stored", "num_existing")
+    NUM_STORED_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXISTING_FIELD_NUMBER: _ClassVar[int]
+    num_stored: int
+    num_existing: int
+    def __init__(self, num_stored: _Optional[int] = ..., num_existing: _Optional[int] = ...) -> None: ...
+
+class KeysRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class GetChunk(_message.Message):
+    __slots__ = ("key", "found", "total_nbytes", "offset", "data")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    found: bool
+    total_nbytes: int
+    offset: int
+    data: bytes
+    def __init__(self, key: _Optional[bytes] = ..., found: _Optional[bool] = ..., total_nbytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ("keys", "ttl_s")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    ttl_s: float
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class BlockLocation(_message.Message):
+    __slots__ = ("key", "offset", "nbytes")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    offset: int
+    nbytes: int
+    def __init__(self, key: _Optional[bytes] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class LeaseResponse(_message.Message):
+    __slots__ = ("lease_id", "locations", "missing", "expires_at", "shm_path")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCATIONS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
+    missing: _containers.RepeatedScalarFieldContainer[bytes]
+    expires_at: float
+    shm_path: str
+    def __init__(self, lease_id: _Optional[str] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., missing: _Optional[_Iterable[bytes]] = ..., expires_at: _Optional[float] = ..., shm_path: _Optional[str] = ...) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("lease_id", "ttl_s")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    ttl_s: float
+    def __init__(self, lease_id: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class RenewLeaseResponse(_message.Message):
+    __slots__ = ("expires_at",)
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    expires_at: float
+    def __init__(self, expires_at: _Optional[float] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExistsResponse(_message.Message):
+    __slots__ = ("present", "nbytes")
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    present: _containers.RepeatedScalarFieldContainer[bool]
+    nbytes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, present: _Optional[_Iterable[bool]] = ..., nbytes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("num_deleted",)
+    NUM_DELETED_FIELD_NUMBER: _ClassVar[int]
+    num_deleted: int
+    def __init__(self, num_deleted: _Optional[int] = ...) -> None: ...
+
+class EvictResponse(_message.Message):
+    __slots__ = ("bytes_freed",)
+    BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    bytes_freed: int
+    def __init__(self, bytes_freed: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("node_id", "capacity_bytes", "used_bytes", "num_blocks", "num_leased", "num_pinned")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    capacity_bytes: int
+    used_bytes: int
+    num_blocks: int
+    num_leased: int
+    num_pinned: int
+    def __init__(self, node_id: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_leased: _Optional[int] = ..., num_pinned: _Optional[int] = ...) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("node_id", "serving", "grpc_address", "bulk_address", "shm_path")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BULK_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    serving: bool
+    grpc_address: str
+    bulk_address: str
+    shm_path: str
+    def __init__(self, node_id: _Optional[str] = ..., serving: _Optional[bool] = ..., grpc_address: _Optional[str] = ..., bulk_address: _Optional[str] = ..., shm_path: _Optional[str] = ...) -> None: ...
+
+class ListKeysRequest(_message.Message):
+    __slots__ = ("page_size",)
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    def __init__(self, page_size: _Optional[int] = ...) -> None: ...
+
+class KeyInfo(_message.Message):
+    __slots__ = ("key", "nbytes", "parent_key", "namespace_root")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEY_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_ROOT_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    nbytes: int
+    parent_key: bytes
+    namespace_root: bytes
+    def __init__(self, key: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., parent_key: _Optional[bytes] = ..., namespace_root: _Optional[bytes] = ...) -> None: ...
+
+class KeyPage(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedCompositeFieldContainer[KeyInfo]
+    def __init__(self, keys: _Optional[_Iterable[_Union[KeyInfo, _Mapping]]] = ...) -> None: ...
