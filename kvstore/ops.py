@@ -1,0 +1,355 @@
+"""The two KV operators of design.md §3.3: ``kv_cache_scatter`` and ``paged_cache_load``.
+
+Both are one flat index computation plus one ``index_copy_`` / ``index_select`` over a
+row view of the cache, so the cost is the bytes moved, not Python. The row view merges the
+(block, slot) pair of a cache into one row axis without copying::
+
+    cache [num_blocks, block_size, ...]  strides (s_block, s_slot, ...)
+    row(b, s) = b * (s_block // s_slot) + s          row stride s_slot
+
+When ``s_block`` is a multiple of ``s_slot`` (always true for contiguous caches and for
+per-layer views of a block-major pool such as ``pool[:, layer, 0]``) the rows in between belong
+to other layers and are simply never indexed. Otherwise the operators fall back to advanced
+indexing, which handles any strides.
+
+Every violated constraint is a ``ValueError`` naming the argument and the bad value; the
+checks are tensor reductions over ``[batch]`` or over the used entries, never a loop over
+tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["kv_cache_scatter", "paged_cache_load", "nz_align", "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_NZ_ROW_BYTES = 32
+
+
+def nz_align(dtype: torch.dtype) -> int:
+    """Elements per 32-byte NZ fragment: int8 32, float16/bfloat16 16, float32 8."""
+    return _NZ_ROW_BYTES // dtype.itemsize
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_cache(name: str, x: object, ndim: int) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"{name} dtype {x.dtype} is not supported; use float16, bfloat16, float32 or int8"
+        )
+    return x
+
+
+def _index(name: str, x: object, ndim: int, device: torch.device) -> torch.Tensor:
+    """An int32/int64 index tensor of rank ``ndim``, as int64 on ``device``."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be an int32 or int64 torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _INDEX_DTYPES:
+        raise ValueError(f"{name} dtype {x.dtype} is not an index dtype; use int32 or int64")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
+    return x.to(device=device, dtype=torch.int64)
+
+
+def _first_bad(name: str, values: torch.Tensor, bad: torch.Tensor, rule: str) -> None:
+    """Raise naming the first ``values[i]`` flagged in ``bad``, if any."""
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{name}[{i}] = {int(values[i])} but {rule}")
+
+
+def _layer_index(layer_id: object, num_layers: int) -> int:
+    if isinstance(layer_id, torch.Tensor):
+        if layer_id.dtype not in _INDEX_DTYPES or layer_id.numel() != 1 or layer_id.dim() > 1:
+            raise ValueError(
+                f"layer_id must be an int or a [1] int32 tensor, got a {layer_id.dtype} tensor "
+                f"of shape {tuple(layer_id.shape)}"
+            )
+        layer = int(layer_id.reshape(()).item())
+    elif isinstance(layer_id, int) and not isinstance(layer_id, bool):
+        layer = layer_id
+    else:
+        raise ValueError(f"layer_id must be an int or a [1] int32 tensor, got {layer_id!r}")
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"layer_id = {layer} is outside [0, {num_layers}) (past.shape[0])")
+    return layer
+
+
+# ----------------------------------------------------------------------------- row views
+
+
+def _row_view(x: torch.Tensor, outer: int, inner: int) -> tuple[torch.Tensor, int] | None:
+    """Merge dims ``outer`` and ``inner`` of ``x`` into a leading row axis, without copying.
+
+    Returns ``(view, ratio)`` with ``row = outer_index * ratio + inner_index``, or ``None``
+    when the strides do not allow it (then the caller uses advanced indexing).
+    """
+    n_o, n_i = x.shape[outer], x.shape[inner]
+    s_o, s_i = x.stride(outer), x.stride(inner)
+    if n_i == 1:
+        ratio, row_stride, num_rows = 1, s_o, n_o
+    elif n_o <= 1:
+        ratio, row_stride, num_rows = 0, s_i, n_i * n_o
+    elif s_i > 0 and s_o % s_i == 0:
+        ratio, row_stride = s_o // s_i, s_i
+        num_rows = (n_o - 1) * ratio + n_i
+    else:
+        return None
+    rest = [d for d in range(x.dim()) if d not in (outer, inner)]
+    view = x.as_strided(
+        [num_rows, *(x.shape[d] for d in rest)],
+        [row_stride, *(x.stride(d) for d in rest)],
+        x.storage_offset(),
+    )
+    return view, ratio
+
+
+# ----------------------------------------------------------------------------- scatter
+
+
+def kv_cache_scatter(
+    past: torch.Tensor,
+    new_kv: torch.Tensor,
+    layer_id: int | torch.Tensor,
+    token_offset: torch.Tensor,
+    seq_len: torch.Tensor,
+) -> torch.Tensor:
+    """Write each sequence's new K or V rows into layer ``layer_id`` of ``past``, in place.
+
+    ``past`` is ``[layers, batch, max_seq_len, hidden]``; ``new_kv`` is ``[ntokens, hidden]``
+    or ``[batch, seq, heads, head_size]`` (read as packed ``[batch*seq, hidden]``). Sequence
+    ``i`` fills positions ``[token_offset[i] - seq_len[i], token_offset[i])``. Returns ``past``.
+    """
+    _check_cache("past", past, 4)
+    if not isinstance(new_kv, torch.Tensor):
+        raise ValueError(f"new_kv must be a torch.Tensor, got {type(new_kv).__name__}")
+    num_layers, batch, max_seq_len, hidden = past.shape
+    if new_kv.dtype != past.dtype:
+        raise ValueError(f"new_kv dtype {new_kv.dtype} must equal past dtype {past.dtype}")
+    if new_kv.device != past.device:
+        raise ValueError(f"new_kv is on {new_kv.device} but past is on {past.device}")
+    if new_kv.dim() == 4:
+        if new_kv.shape[2] * new_kv.shape[3] != hidden:
+            raise ValueError(
+                f"new_kv shape {tuple(new_kv.shape)}: heads*head_size = "
+                f"{new_kv.shape[2] * new_kv.shape[3]} must equal past hidden size {hidden}"
+            )
+        new_kv = new_kv.reshape(-1, hidden)
+    elif new_kv.dim() != 2:
+        raise ValueError(
+            f"new_kv must be [ntokens, hidden] or [batch, seq, heads, head_size], "
+            f"got shape {tuple(new_kv.shape)}"
+        )
+    elif new_kv.shape[1] != hidden:
+        raise ValueError(f"new_kv hidden size {new_kv.shape[1]} must equal past's {hidden}")
+    if any(st == 0 and n > 1 for st, n in zip(past.stride(), past.shape, strict=True)):
+        raise ValueError("past must not be an expanded tensor (stride 0): rows would alias")
+    layer = _layer_index(layer_id, num_layers)
+    offs = _index("token_offset", token_offset, 1, past.device)
+    lens = _index("seq_len", seq_len, 1, past.device)
+    if offs.shape[0] != batch or lens.shape[0] != batch:
+        raise ValueError(
+            f"token_offset and seq_len must be [batch={batch}] (past.shape[1]), got "
+            f"{tuple(offs.shape)} and {tuple(lens.shape)}"
+        )
+    ntokens = new_kv.shape[0]
+    _first_bad("seq_len", lens, lens <= 0, "every seq_len must be > 0")
+    total = int(lens.sum()) if batch else 0
+    if total != ntokens:
+        raise ValueError(f"sum(seq_len) = {total} must equal new_kv's ntokens = {ntokens}")
+    _first_bad("token_offset", offs, offs < lens, "token_offset[i] must be >= seq_len[i]")
+    _first_bad("token_offset", offs, offs > max_seq_len,
+               f"token_offset[i] must be <= max_seq_len = {max_seq_len} (past.shape[2])")
+    if ntokens == 0:
+        return past
+
+    dst = past[layer]  # [batch, max_seq_len, hidden], a view
+    # Token k of sequence i goes to position k - starts[i] + offs[i] - lens[i].
+    starts = torch.cumsum(lens, 0) - lens
+    token = torch.arange(ntokens, device=past.device)
+    seq = torch.repeat_interleave(torch.arange(batch, device=past.device), lens,
+                                  output_size=ntokens)
+    rows = _row_view(dst, 0, 1)
+    if rows is None:
+        pos = token + (offs - lens - starts)[seq]
+        dst.index_put_((seq, pos), new_kv)
+        return past
+    view, ratio = rows
+    base = torch.arange(batch, device=past.device) * ratio + offs - lens - starts
+    view.index_copy_(0, token + base[seq], new_kv)
+    return past
+
+
+# ----------------------------------------------------------------------------- paged load
+
+
+def _check_out(
+    out: object, shapes: tuple[tuple[int, ...], tuple[int, ...]], dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        raise ValueError("out must be a (key_out, value_out) pair of tensors")
+    for name, t, shape in zip(("out[0] (key)", "out[1] (value)"), out, shapes, strict=True):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} must be {shape}")
+        if t.dtype != dtype:
+            raise ValueError(f"{name} dtype {t.dtype} must equal the caches' dtype {dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the caches are on {device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    return out[0], out[1]
+
+
+def _gather(cache: torch.Tensor, slot_dim: int, b: torch.Tensor, s: torch.Tensor,
+            dst: torch.Tensor) -> None:
+    """``dst[k] = cache[b[k], (slot s[k])]`` with the non-token dims kept, into ``dst``."""
+    rows = _row_view(cache, 0, slot_dim)
+    if rows is None:
+        picked = cache[b, s] if slot_dim == 1 else cache[b, :, s]
+        dst.copy_(picked.reshape(dst.shape))
+        return
+    view, ratio = rows
+    torch.index_select(view, 0, b * ratio + s if ratio != 1 else b + s, out=dst)
+
+
+def paged_cache_load(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    layout: str = "ND",
+    cumsum: bool = False,
+    seq_starts: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather each sequence's tokens from paged K/V caches into contiguous ``(key, value)``.
+
+    ND caches are ``[num_blocks, block_size, num_heads, head_size]`` and give
+    ``[num_tokens, num_heads, head_size]``; NZ caches are
+    ``[num_blocks, num_heads*head_size // a, block_size, a]`` (``a`` elements = 32 bytes) and
+    give ``[num_tokens, num_heads*head_size]``. Sequence ``i`` reads tokens
+    ``[seq_starts[i], seq_starts[i] + len_i)`` through row ``i`` of ``block_table``.
+    """
+    if layout not in ("ND", "NZ"):
+        raise ValueError(f"layout must be 'ND' or 'NZ', got {layout!r}")
+    _check_cache("key_cache", key_cache, 4)
+    _check_cache("value_cache", value_cache, 4)
+    if value_cache.dtype != key_cache.dtype:
+        raise ValueError(
+            f"value_cache dtype {value_cache.dtype} must equal key_cache dtype {key_cache.dtype}"
+        )
+    if value_cache.device != key_cache.device:
+        raise ValueError(
+            f"value_cache is on {value_cache.device} but key_cache is on {key_cache.device}"
+        )
+    dtype, device = key_cache.dtype, key_cache.device
+    num_blocks = key_cache.shape[0]
+    if layout == "ND":
+        slot_dim = 1
+        same = ((0, "num_blocks"), (1, "block_size"), (2, "num_heads"))
+    else:
+        if cumsum or seq_starts is not None:
+            raise ValueError("layout='NZ' supports neither cumsum=True nor seq_starts")
+        slot_dim = 2
+        same = ((0, "num_blocks"), (2, "block_size"))
+        a = nz_align(dtype)
+        for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+            if c.shape[3] != a:
+                raise ValueError(
+                    f"{name} NZ last dim is {c.shape[3]} elements but must be {a} "
+                    f"(32 bytes of {dtype})"
+                )
+    for dim, what in same:
+        if key_cache.shape[dim] != value_cache.shape[dim]:
+            raise ValueError(
+                f"key_cache and value_cache differ in {what}: {key_cache.shape[dim]} vs "
+                f"{value_cache.shape[dim]} (shapes {tuple(key_cache.shape)} and "
+                f"{tuple(value_cache.shape)})"
+            )
+    block_size = key_cache.shape[slot_dim]
+    if block_size <= 0:
+        raise ValueError(f"key_cache block_size must be > 0, got shape {tuple(key_cache.shape)}")
+
+    table = _index("block_table", block_table, 2, device)
+    batch, width = table.shape
+    cl = _index("context_lens", context_lens, 1, device)
+    if cumsum:
+        if cl.shape[0] != batch + 1:
+            raise ValueError(
+                f"context_lens with cumsum=True must be [batch+1={batch + 1}] "
+                f"(block_table has {batch} rows), got {tuple(cl.shape)}"
+            )
+        if int(cl[0]) != 0:
+            raise ValueError(f"context_lens[0] = {int(cl[0])} but cumulative sums start at 0")
+        lens = cl[1:] - cl[:-1]
+        _first_bad("context_lens", cl[1:], lens < 0,
+                   "cumulative sums must not decrease (context_lens[i+1] < context_lens[i])")
+    else:
+        if cl.shape[0] != batch:
+            raise ValueError(
+                f"context_lens must be [batch={batch}] (block_table rows), got {tuple(cl.shape)}"
+            )
+        lens = cl
+        _first_bad("context_lens", cl, cl < 0, "context lengths must be >= 0")
+    if seq_starts is None:
+        starts = torch.zeros_like(lens)
+    else:
+        starts = _index("seq_starts", seq_starts, 1, device)
+        if starts.shape[0] != batch:
+            raise ValueError(f"seq_starts must be [batch={batch}], got {tuple(starts.shape)}")
+        _first_bad("seq_starts", starts, starts < 0, "seq_starts must be >= 0")
+    # The last block position each non-empty sequence uses must lie inside the table.
+    last_pos = torch.div(starts + lens - 1, block_size, rounding_mode="floor")
+    _first_bad("context_lens", lens, (lens > 0) & (last_pos >= width),
+               f"with its seq_starts it needs a block_table position past the table's width "
+               f"{width} (block_size {block_size})")
+
+    num_tokens = int(lens.sum()) if batch else 0
+    if layout == "ND":
+        shapes = ((num_tokens, *key_cache.shape[2:]), (num_tokens, *value_cache.shape[2:]))
+    else:
+        shapes = ((num_tokens, key_cache.shape[1] * key_cache.shape[3]),
+                  (num_tokens, value_cache.shape[1] * value_cache.shape[3]))
+    if out is None:
+        key_out = torch.empty(shapes[0], dtype=dtype, device=device)
+        value_out = torch.empty(shapes[1], dtype=dtype, device=device)
+    else:
+        key_out, value_out = _check_out(out, shapes, dtype, device)
+    if num_tokens == 0:
+        return key_out, value_out
+
+    # Token k of sequence i is position t = k - out_start[i] + starts[i] of that sequence.
+    seq = torch.repeat_interleave(torch.arange(batch, device=device), lens,
+                                  output_size=num_tokens)
+    out_start = torch.cumsum(lens, 0) - lens
+    t = torch.arange(num_tokens, device=device) + (starts - out_start)[seq]
+    pos = torch.div(t, block_size, rounding_mode="floor")
+    slot = t - pos * block_size
+    b = table.reshape(-1)[seq * width + pos] if table.is_contiguous() else table[seq, pos]
+    bad = (b < 0) | (b >= num_blocks)
+    if bool(bad.any()):
+        k = int(bad.nonzero()[0, 0])
+        i, p = int(seq[k]), int(pos[k])
+        raise ValueError(
+            f"block_table[{i}][{p}] = {int(b[k])} is outside [0, num_blocks={num_blocks}) "
+            f"but sequence {i} uses it (token {int(t[k])})"
+        )
+    if layout == "ND":
+        _gather(key_cache, 1, b, slot, key_out)
+        _gather(value_cache, 1, b, slot, value_out)
+    else:
+        _gather(key_cache, 2, b, slot, key_out.view(num_tokens, key_cache.shape[1], -1))
+        _gather(value_cache, 2, b, slot, value_out.view(num_tokens, value_cache.shape[1], -1))
+    return key_out, value_out
