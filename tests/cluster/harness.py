@@ -1,0 +1,200 @@
+"""Ray, Redis and kvstore on namespace hosts: the steps the multi-host tests are made of.
+
+The kvstore steps are small functions over the CLI contract (`kvstore start/status/generate`),
+switched on by `kvstore_cli_ready()` so the harness itself is proven with plain Ray first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.cluster.netns import Host, Network
+
+RAY_PORT = 6379  # the GCS keeps its conventional port: each host has its own port space
+DASHBOARD_PORT = 8265
+REDIS_PORT = 6380
+
+# Short health checks so a cut link or a killed host is declared dead in seconds, not 30+.
+HEALTH_ENV = {
+    "RAY_health_check_initial_delay_ms": "1000",
+    "RAY_health_check_period_ms": "1000",
+    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+}
+
+
+@dataclass(slots=True)
+class RayCluster:
+    """A Ray head on hosts[0] and workers on the others, all with one auth token."""
+
+    net: Network
+    token: str
+    redis_password: str
+    logs: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def head(self) -> Host:
+        """The head host (GCS, dashboard/job server, Redis)."""
+        return self.net.hosts[0]
+
+    @property
+    def gcs_address(self) -> str:
+        """host:port of the GCS, as workers and drivers dial it."""
+        return f"{self.head.ip}:{RAY_PORT}"
+
+    @property
+    def dashboard_url(self) -> str:
+        """The job server's address for `ray job submit --address`."""
+        return f"http://{self.head.ip}:{DASHBOARD_PORT}"
+
+    @property
+    def redis_url(self) -> str:
+        """The private Redis (index) on the head, with its password."""
+        return f"redis://:{self.redis_password}@{self.head.ip}:{REDIS_PORT}/0"
+
+
+def make_env(token: str) -> dict[str, str]:
+    """The environment every Ray process gets: token auth on, short health checks."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HEALTH_ENV)
+    env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
+                "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def ray_start_argv(cluster: RayCluster, host: Host) -> list[str]:
+    """`ray start --block` for this host: head on hosts[0], worker elsewhere; explicit ports."""
+    common = ["--node-ip-address", host.ip, "--num-cpus", "2", "--object-store-memory",
+              str(80 << 20), "--temp-dir", str(host.temp_dir / "ray"),
+              "--resources", json.dumps({f"host_{host.name}": 1}), "--block"]
+    if host is cluster.head:
+        return ["ray", "start", "--head", "--port", str(RAY_PORT), "--dashboard-host", host.ip,
+                "--dashboard-port", str(DASHBOARD_PORT), "--include-dashboard", "true",
+                "--disable-usage-stats", *common]
+    return ["ray", "start", "--address", cluster.gcs_address, *common]
+
+
+def start_node(cluster: RayCluster, host: Host) -> subprocess.Popen:
+    """Start Ray on one host (used at boot and to bring a killed host back)."""
+    return cluster.net.spawn(host, ray_start_argv(cluster, host),
+                             cluster.logs / f"ray-{host.name}.log", env=cluster.env)
+
+
+def start_redis(cluster: RayCluster) -> subprocess.Popen:
+    """A private redis-server on the head host, password-protected, no persistence."""
+    argv = [shutil.which("redis-server") or "redis-server", "--port", str(REDIS_PORT),
+            "--bind", cluster.head.ip, "127.0.0.1", "--requirepass", cluster.redis_password,
+            "--save", "", "--appendonly", "no", "--dir", str(cluster.head.temp_dir)]
+    return cluster.net.spawn(cluster.head, argv, cluster.logs / "redis.log", env=cluster.env)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):  # noqa: ANN001
+    """Poll `predicate` until it returns a truthy value; raise TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+def in_host(cluster: RayCluster, host: Host, *cmd: str, timeout: float = 120.0,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a command to completion inside a host with the cluster's environment."""
+    return subprocess.run(host.argv(*cmd), capture_output=True, text=True, timeout=timeout,
+                          env=env or cluster.env)
+
+
+def alive_nodes(cluster: RayCluster) -> list[str]:
+    """Node IPs the GCS reports alive, asked from the head host (`ray list nodes`)."""
+    proc = in_host(cluster, cluster.head, "python3", "-c",
+                   "import ray, json; ray.init(address='auto', logging_level='ERROR');"
+                   "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() "
+                   "if n['Alive']]))", timeout=60)
+    if proc.returncode != 0:
+        return []
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def job_submit(cluster: RayCluster, entrypoint: list[str], timeout: float = 240.0,
+               from_host: Host | None = None) -> subprocess.CompletedProcess:
+    """`ray job submit --address DASHBOARD -- ENTRYPOINT`, from the root namespace or a host."""
+    argv = ["ray", "job", "submit", "--address", cluster.dashboard_url, "--", *entrypoint]
+    if from_host is not None:
+        return in_host(cluster, from_host, *argv, timeout=timeout)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=cluster.env)
+
+
+def boot_cluster(net: Network, logs: Path) -> RayCluster:
+    """Redis and a Ray head on hosts[0], Ray workers on the rest; returns when all are alive."""
+    logs.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(32)
+    cluster = RayCluster(net=net, token=token, redis_password=secrets.token_hex(16), logs=logs,
+                         env=make_env(token))
+    start_redis(cluster)
+    start_node(cluster, cluster.head)
+    for host in net.hosts[1:]:
+        start_node(cluster, host)
+    want = {h.ip for h in net.hosts}
+    wait_for(lambda: want <= set(alive_nodes(cluster)), 120, f"Ray nodes {sorted(want)} alive",
+             interval=2)
+    return cluster
+
+
+# --- kvstore steps (the CLI contract; switched on once `kvstore` has these subcommands) ---
+
+KVSTORE_SUBCOMMANDS = ("start", "stop", "status", "generate")
+
+
+def kvstore_cli_ready() -> bool:
+    """True once the installed `kvstore` CLI has the subcommands the cluster tests drive."""
+    exe = shutil.which("kvstore")
+    if exe is None:
+        return False
+    try:
+        proc = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.returncode == 0 and all(s in proc.stdout for s in KVSTORE_SUBCOMMANDS)
+
+
+def kvstore_start(cluster: RayCluster, capacity: str = "256MiB") -> subprocess.CompletedProcess:
+    """`kvstore start` on the head against the private Redis (as deploy/cluster.yaml does)."""
+    return in_host(cluster, cluster.head, "kvstore", "start", "--redis", cluster.redis_url,
+                   "--capacity", capacity, "--address", cluster.gcs_address, timeout=180)
+
+
+def kvstore_status(cluster: RayCluster) -> dict:
+    """`kvstore status --json` parsed."""
+    proc = in_host(cluster, cluster.head, "kvstore", "status", "--json",
+                   env={**cluster.env, "RAY_ADDRESS": cluster.gcs_address})
+    if proc.returncode != 0:
+        raise RuntimeError(f"kvstore status failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout)
+
+
+def kvstore_generate(cluster: RayCluster, prompts: Path, output: Path, *, no_cache: bool = False,
+                     prefill: int = 1, decode: int = 1,
+                     from_host: Host | None = None) -> list[dict]:
+    """`ray job submit -- kvstore generate ...`; returns the output JSONL objects by id order."""
+    entry = ["kvstore", "generate", "--prompts", str(prompts), "--prefill-replicas",
+             str(prefill), "--decode-replicas", str(decode), "--model", "tiny",
+             "--output", str(output)]
+    if no_cache:
+        entry.append("--no-cache")
+    proc = job_submit(cluster, entry, from_host=from_host)
+    if proc.returncode != 0:
+        raise RuntimeError(f"kvstore generate job failed: {proc.stdout[-3000:]}"
+                           f"{proc.stderr[-2000:]}")
+    rows = [json.loads(line) for line in output.read_text().splitlines() if line.strip()]
+    return sorted(rows, key=lambda r: str(r["id"]))
