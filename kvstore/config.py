@@ -108,6 +108,7 @@ class IndexConfig:
     backend: str = "memory"
     redis_url: str | None = None
     key_prefix: str = "kvstore:"
+    redis_ca_file: str | None = None  # CA bundle for rediss:// (TLS) with a private CA
 
     def __post_init__(self) -> None:
         _check(self.backend in ("memory", "redis"),
