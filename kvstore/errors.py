@@ -39,6 +39,10 @@ class PoolFull(KVStoreError):
     """The node's pool has no room for the block, even after evicting what it may evict."""
 
 
+class InvalidRequest(KVStoreError, ValueError):
+    """A store node rejected a malformed request; the message says which field is wrong."""
+
+
 class RequestTooLarge(KVStoreError):
     """A request or block is larger than the configured limits allow."""
 
