@@ -93,15 +93,19 @@ def status_json(raw: dict[str, Any]) -> dict[str, Any]:
     nodes = []
     for node in raw.get("nodes", []):
         entry = dict(node)
-        for name in ("capacity_bytes", "used_bytes", "blocks"):
-            entry[name] = int(entry.get(name, 0))
+        for name in ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "evictions"):
+            entry[name] = int(entry.get(name) or 0)
         nodes.append(entry)
     out = dict(raw)
     out["nodes"] = nodes
     live = [n for n in nodes if n.get("alive", True)]
-    out.setdefault("num_nodes", len(live))
-    for name in ("capacity_bytes", "used_bytes", "blocks"):
-        out.setdefault(f"total_{name}", sum(n[name] for n in live))
+    totals = dict(raw.get("totals") or {})
+    totals.setdefault("nodes_alive", len(live))
+    for name in ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "evictions"):
+        totals.setdefault(name, sum(n[name] for n in live))
+    lookups = totals["hits"] + totals["misses"]
+    totals.setdefault("hit_rate", totals["hits"] / lookups if lookups else 0.0)
+    out["totals"] = totals
     return out
 
 
@@ -125,22 +129,23 @@ def cmd_status(args: argparse.Namespace) -> int:
         use = n["used_bytes"] / n["capacity_bytes"] if n["capacity_bytes"] else 0.0
         table.add_row(n["node_id"][:16], "yes" if n.get("alive", True) else "no",
                       _size(n["capacity_bytes"]), _size(n["used_bytes"]), f"{use:.0%}",
-                      str(n["blocks"]), _ratio(n.get("hits", 0), n.get("misses", 0)),
-                      str(n.get("evictions", 0)))
+                      str(n["blocks"]), _ratio(n["hits"], n["misses"]), str(n["evictions"]))
     console.print(table)
-    console.print(f"total: {status['num_nodes']} nodes, {_size(status['total_used_bytes'])} of "
-                  f"{_size(status['total_capacity_bytes'])}, {status['total_blocks']} blocks")
-    for name in ("hit_rate", "evictions", "drift"):
-        if name in status:
-            console.print(f"{name.replace('_', ' ')}: {status[name]}")
+    t = status["totals"]
+    console.print(f"total: {t['nodes_alive']} nodes alive, {_size(t['used_bytes'])} of "
+                  f"{_size(t['capacity_bytes'])}, {t['blocks']} blocks, hit rate "
+                  f"{t['hit_rate']:.1%}, {t['evictions']} evictions")
+    drift = status.get("drift")
+    if drift:
+        console.print(f"drift found at re-registration: {drift}")
     top = status.get("top_prefixes") or []
     if top:
         tt = Table(title="most used prefixes (key hashes, never tokens)")
         tt.add_column("key hash")
         tt.add_column("uses", justify="right")
         for item in top:
-            key, count = (item["key"], item["count"]) if isinstance(item, dict) else item
-            tt.add_row(str(key), str(count))
+            count = item.get("touches", item.get("count", 0))
+            tt.add_row(str(item.get("key")), str(count))
         console.print(tt)
     return 0
 

@@ -99,29 +99,16 @@ def coordinator_handle() -> Any:
 
 
 def _start_coordinator(config: KVStoreConfig) -> Any:
-    from kvstore.coordinator import Coordinator
+    from kvstore.coordinator import start_coordinator
 
-    cls = Coordinator if isinstance(Coordinator, ray.actor.ActorClass) else ray.remote(Coordinator)
-    # Near the driver (the head when run by `kvstore start`), but anywhere if that node goes.
-    here = ray.get_runtime_context().get_node_id()
-    return cls.options(
-        name=COORDINATOR_NAME,
-        namespace=RAY_NAMESPACE,
-        lifetime="detached",
-        get_if_exists=True,
-        max_restarts=-1,
-        max_task_retries=-1,
-        num_cpus=0,
-        max_concurrency=64,  # heartbeats from many nodes and readers' lookups run concurrently
-        scheduling_strategy=_pinned(here, soft=True),
-    ).remote(config)
+    return start_coordinator(config)
 
 
 def start_store_node(config: KVStoreConfig, node_id: str) -> Any:
     """Start (or find) the store-node actor on Ray node ``node_id``."""
-    from kvstore.store_node import StoreNode
+    from kvstore.store_node import StoreNodeActor
 
-    return StoreNode.options(
+    return StoreNodeActor.options(
         name=store_actor_name(node_id),
         namespace=RAY_NAMESPACE,
         lifetime="detached",
@@ -174,7 +161,7 @@ def start(config: KVStoreConfig | None = None, *, address: str | None = None,
     # Each store node registers in its constructor; a ping returns once it has.
     ray.get([h.ping.remote() for h in handles.values()], timeout=START_TIMEOUT_S)
     directory = _wait_directory(coordinator, set(handles), START_TIMEOUT_S)
-    epoch = ray.get(coordinator.epoch.remote()) if hasattr(coordinator, "epoch") else 0
+    epoch = ray.get(coordinator.epoch.remote())
     return ClusterInfo(
         ray_address=ray.get_runtime_context().gcs_address,
         epoch=int(epoch),
