@@ -1,0 +1,51 @@
+"""Shared fixtures: a private redis-server per session and an index on every backend.
+
+Integration fixtures start the real thing (design.md §2). Without ``redis-server`` the Redis
+tests skip, unless ``KVSTORE_REQUIRE_REDIS=1`` (CI), where a missing server is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from kvstore.index import Index, InMemoryIndex
+from kvstore.redis_proc import RedisProcess, start_redis_server
+
+
+def require_redis_server() -> None:
+    """Skip (or, with KVSTORE_REQUIRE_REDIS=1, fail) when redis-server is not installed."""
+    if shutil.which("redis-server") is not None:
+        return
+    message = "redis-server is not on PATH (apt-get install redis-server)"
+    if os.environ.get("KVSTORE_REQUIRE_REDIS") == "1":
+        pytest.fail(f"{message}; KVSTORE_REQUIRE_REDIS=1 makes this a failure")
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisProcess]:
+    """One private redis-server on a free port for the whole session."""
+    require_redis_server()
+    server = start_redis_server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+def index(request: pytest.FixtureRequest) -> Iterator[Index]:
+    """A clean index on each backend; Redis ones get a unique key prefix, so tests never meet."""
+    if request.param == "memory":
+        idx: Index = InMemoryIndex()
+    else:
+        from kvstore.redis_index import RedisIndex
+
+        server = request.getfixturevalue("redis_server")
+        idx = RedisIndex(server.url, key_prefix=f"test-{uuid.uuid4().hex[:12]}:")
+    yield idx
+    idx.clear()
+    idx.close()
