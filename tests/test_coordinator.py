@@ -1,0 +1,290 @@
+"""The coordinator: the pure core with fake nodes and a fake clock, then the real Ray actor."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+
+import pytest
+
+from kvstore.api import NodeAddress
+from kvstore.config import CoordinatorConfig, IndexConfig, KVStoreConfig
+from kvstore.coordinator_core import CoordinatorCore
+from kvstore.index import IndexEntry, InMemoryIndex
+from kvstore.pool import PoolStats
+
+ROOT = hashlib.sha256(b"ns-a").digest()
+ROOT_B = hashlib.sha256(b"ns-b").digest()
+BLOCK = 100
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_chain(n: int, salt: str, root: bytes = ROOT) -> list[bytes]:
+    keys, parent = [], root
+    for i in range(n):
+        parent = hashlib.sha256(parent + f"{salt}{i}".encode()).digest()
+        keys.append(parent)
+    return keys
+
+
+def make_entries(node_id: str, chain: list[bytes], root: bytes = ROOT) -> list[IndexEntry]:
+    parents = [root, *chain[:-1]]
+    return [IndexEntry(k, node_id, BLOCK, p, root) for k, p in zip(chain, parents, strict=True)]
+
+
+def make_stats(capacity: int, used: int) -> PoolStats:
+    return PoolStats(capacity, used, used // BLOCK, 0, 0, 0, 0, 0)
+
+
+def make_core(index: InMemoryIndex | None = None, clock: FakeClock | None = None,
+              **coordinator: float) -> CoordinatorCore:
+    config = KVStoreConfig(coordinator=CoordinatorConfig(**coordinator))
+    return CoordinatorCore(config, index=index or InMemoryIndex(), clock=clock or FakeClock())
+
+
+def register(core: CoordinatorCore, node_id: str, chains: list[list[bytes]],
+             capacity: int = 1000) -> None:
+    entries = [e for c in chains for e in make_entries(node_id, c)]
+    core.register_node(node_id, NodeAddress(node_id, f"{node_id}:1"), capacity, entries)
+
+
+def test_over_high_watermark_evicts_lru_down_to_low() -> None:
+    core = make_core()
+    singles = [make_chain(1, f"s{i}") for i in range(10)]
+    register(core, "a", singles)
+    order = [c[0] for c in singles]
+    touched = order[5:] + order[:5]  # s5..s9 then s0..s4: s5 is now the least recent
+    core.heartbeat("a", make_stats(1000, 850), touched, {})
+    assert core.heartbeat("a", make_stats(1000, 850), [], {}).evict == []  # below high
+    reply = core.heartbeat("a", make_stats(1000, 1000), [], {})
+    assert reply.evict == [order[5], order[6]]  # 1000 -> 800 (low) = two blocks of 100
+
+
+def test_children_go_before_parents() -> None:
+    core = make_core()
+    chain = make_chain(10, "c")
+    register(core, "a", [chain])
+    core.heartbeat("a", make_stats(1000, 1000), list(chain), {})  # the leaf is the most recent
+    reply = core.heartbeat("a", make_stats(1000, 1000), [], {})
+    assert reply.evict == [chain[9], chain[8]]
+
+
+def test_pins_hard_kept_soft_last_then_expire() -> None:
+    clock = FakeClock()
+    core = make_core(clock=clock, soft_pin_ttl_s=60.0, node_timeout_s=1000.0)
+    keys = [make_chain(1, f"p{i}")[0] for i in range(4)]
+    register(core, "a", [[k] for k in keys], capacity=400)
+    core.pin([keys[0]], hard=True, ttl_s=None)
+    core.pin([keys[1]], hard=False, ttl_s=None)  # soft, default TTL
+    assert core.request_eviction("a", 10_000) == [keys[2], keys[3], keys[1]]
+    core.removed("a", [keys[2], keys[3]])
+    clock.now += 61  # the soft pin expired: keys[1] is a plain block again
+    core.heartbeat("a", make_stats(400, 200), [], {})
+    assert core.pins.counts() == {"hard": 1, "soft": 0}
+    assert core.unpin([keys[0]]) == 1
+    assert core.request_eviction("a", 200) == [keys[0], keys[1]]
+
+
+def test_pin_before_publish_applies_when_the_key_appears() -> None:
+    core = make_core()
+    chain = make_chain(2, "early")
+    core.pin(chain, hard=True, ttl_s=None)
+    register(core, "a", [chain])
+    assert core.request_eviction("a", 10_000) == []
+
+
+def test_ordered_keys_are_not_planned_twice_before_the_next_heartbeat() -> None:
+    core = make_core()
+    keys = [make_chain(1, f"l{i}")[0] for i in range(3)]
+    register(core, "a", [[k] for k in keys])
+    first = core.request_eviction("a", 100)
+    second = core.request_eviction("a", 100)  # the node skipped `first` (leased): next one
+    assert first == [keys[0]] and second == [keys[1]]
+    core.heartbeat("a", make_stats(1000, 300), [], {})  # still held after the beat: may return
+    assert core.request_eviction("a", 100) == [keys[0]]
+
+
+def test_dead_node_leaves_the_index_and_must_reannounce() -> None:
+    clock = FakeClock()
+    core = make_core(clock=clock, node_timeout_s=5.0)
+    a, b = make_chain(3, "a"), make_chain(3, "b")
+    register(core, "a", [a])
+    register(core, "b", [b])
+    assert core.lookup_prefix(a).num_blocks == 3
+    clock.now += 4
+    core.heartbeat("b", make_stats(1000, 300), [], {})
+    clock.now += 4  # a: 8 s silent, b: 4 s
+    assert core.check_liveness() == ["a"]
+    assert core.lookup_prefix(a).num_blocks == 0
+    assert core.lookup_prefix(b).num_blocks == 3
+    assert set(core.directory()) == {"b"}
+    assert {n.node_id: n.alive for n in core.nodes_status()} == {"a": False, "b": True}
+    assert core.heartbeat("a", make_stats(1000, 300), [], {}).reannounce
+    register(core, "a", [a])
+    assert core.lookup_prefix(a).num_blocks == 3
+    assert not core.heartbeat("a", make_stats(1000, 300), [], {}).reannounce
+
+
+def test_restart_reconciles_with_what_nodes_hold_and_counts_drift() -> None:
+    index = InMemoryIndex()  # survives the "restart", as Redis does
+    chain = make_chain(6, "r")
+    first = make_core(index=index)
+    register(first, "a", [chain])
+    second = make_core(index=index)
+    assert second.epoch != first.epoch
+    assert second.metrics["reloaded_blocks"] == 6
+    assert second.lookup_prefix(chain).num_blocks == 6
+    # while the coordinator was down the node evicted the last two and stored a new block
+    extra = make_chain(1, "new")
+    register(second, "a", [chain[:4], extra])
+    assert second.lookup_prefix(chain).num_blocks == 4
+    assert second.holders(extra) == [["a"]]
+    assert second.status()["drift"] == {"added": 1, "removed": 2}
+    assert sorted(second.lru.keys_of(second.nodes.get("a").slot)) == sorted(chain[:4] + extra)
+
+
+def test_restart_with_a_fresh_index_recovers_from_reannounce() -> None:
+    chain = make_chain(4, "m")
+    register(make_core(), "a", [chain])
+    fresh = make_core()  # in-memory index: nothing survives but the nodes' own blocks
+    assert fresh.lookup_prefix(chain).num_blocks == 0
+    assert fresh.heartbeat("a", make_stats(1000, 400), [], {}).reannounce
+    register(fresh, "a", [chain])
+    assert fresh.lookup_prefix(chain).num_blocks == 4
+    assert fresh.status()["drift"]["added"] == 4
+
+
+def test_invalidate_a_namespace_everywhere() -> None:
+    core = make_core()
+    a1, a2 = make_chain(3, "x"), make_chain(2, "y")
+    b = make_chain(3, "z", root=ROOT_B)
+    core.register_node("n1", NodeAddress("n1", "n1:1"), 1000,
+                       make_entries("n1", a1) + make_entries("n1", b, root=ROOT_B))
+    register(core, "n2", [a1, a2])
+    assert core.invalidate(ROOT) == 5
+    assert core.lookup_prefix(a1).num_blocks == 0 and core.lookup_prefix(a2).num_blocks == 0
+    assert core.lookup_prefix(b).num_blocks == 3
+    assert sorted(core.heartbeat("n1", make_stats(1000, 600), [], {}).evict) == sorted(a1)
+    assert sorted(core.heartbeat("n2", make_stats(1000, 500), [], {}).evict) == sorted(a1 + a2)
+
+
+def test_drain_replicates_where_there_is_room_then_evicts() -> None:
+    core = make_core()
+    chain = make_chain(4, "d")
+    register(core, "a", [chain])
+    register(core, "b", [], capacity=1000)
+    register(core, "c", [chain[:1]], capacity=1000)
+    core.heartbeat("b", make_stats(1000, 700), [], {})  # b has room for 2 blocks (< 900)
+    core.heartbeat("c", make_stats(1000, 900), [], {})  # c has none
+    assert core.drain("a") == 4
+    first = core.heartbeat("a", make_stats(1000, 400), [], {}).evict
+    assert sorted(first) == sorted([chain[0], chain[3]])  # c has chain[0]; no room for chain[3]
+    orders = core.heartbeat("b", make_stats(1000, 700), [], {}).replicate
+    assert len(orders) == 1 and orders[0].source.node_id == "a"
+    assert orders[0].keys == chain[1:3]
+    core.publish("b", make_entries("b", chain)[1:3])  # b executed the order
+    reply = core.heartbeat("a", make_stats(1000, 200), [], {})
+    assert sorted(reply.evict) == sorted(chain[1:3])  # copies elsewhere now: a lets go
+
+
+def test_hot_keys_and_soft_pins_replicate_to_the_reader_node() -> None:
+    core = make_core(hot_fetch_threshold=3)
+    hot, sys_prompt = make_chain(2, "hot"), make_chain(1, "sys")
+    register(core, "a", [hot, sys_prompt])
+    register(core, "r", [])
+    core.pin(sys_prompt, hard=False, ttl_s=30.0)
+    core.heartbeat("a", make_stats(1000, 300), [], {"r": hot + sys_prompt})
+    core.heartbeat("a", make_stats(1000, 300), [], {"r": hot})
+    first = core.heartbeat("r", make_stats(1000, 0), [], {}).replicate
+    assert [(o.keys, o.source.node_id) for o in first] == [(sys_prompt, "a")]
+    core.heartbeat("a", make_stats(1000, 300), [], {"r": hot})  # third remote read
+    second = core.heartbeat("r", make_stats(1000, 0), [], {}).replicate
+    assert [(o.keys, o.source.node_id) for o in second] == [(hot, "a")]
+    core.publish("r", make_entries("r", hot))
+    assert core.holders(hot) == [["a", "r"], ["a", "r"]]
+
+
+def test_bad_input_is_rejected_with_a_message() -> None:
+    core = make_core()
+    chain = make_chain(1, "bad")
+    with pytest.raises(ValueError, match="names node 'a'"):
+        core.publish("b", make_entries("a", chain))
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        core.register_node("a", NodeAddress("a", "a:1"), 0, [])
+    with pytest.raises(TypeError):
+        core.holders([b""])
+    with pytest.raises(ValueError, match="not registered"):
+        core.drain("nobody")
+    with pytest.raises(ValueError, match="ttl_s"):
+        core.pin(chain, hard=False, ttl_s=-1)
+
+
+def test_status_is_json_and_shows_hashes_not_tokens() -> None:
+    core = make_core()
+    chain = make_chain(3, "st")
+    register(core, "a", [chain])
+    core.heartbeat("a", PoolStats(1000, 300, 3, 0, 0, 8, 2, 0), [chain[0]] * 3, {})
+    status = json.loads(json.dumps(core.status()))
+    assert status["totals"]["hit_rate"] == pytest.approx(0.8)
+    assert status["top_prefixes"][0] == {"key": chain[0][:8].hex(), "touches": 3}
+    assert status["nodes"][0]["blocks"] == 3
+
+
+# -- the real actor on a local Ray ----------------------------------------------------------
+
+
+def _start_actor(config: KVStoreConfig):
+    import ray
+
+    from kvstore.coordinator import Coordinator
+
+    return ray.remote(Coordinator).options(
+        max_restarts=-1, max_task_retries=-1, num_cpus=0, max_concurrency=8).remote(config)
+
+
+def _restart_keeps_reannounced_blocks(config: KVStoreConfig, persistent: bool) -> None:
+    import ray
+
+    from kvstore.coordinator_index import CoordinatorIndex
+
+    handle = _start_actor(config)
+    chain = make_chain(5, uuid.uuid4().hex)
+    entries = make_entries("a", chain)
+    address = NodeAddress("a", "a:1")
+    epoch = ray.get(handle.register_node.remote("a", address, 1000, entries[:3]))
+    ray.get(handle.publish.remote("a", entries[3:]))
+    index = CoordinatorIndex(handle)
+    assert index.lookup_prefix(chain).num_blocks == 5
+    ray.kill(handle, no_restart=False)
+    new_epoch = ray.get(handle.epoch.remote())  # retried until the restarted actor answers
+    assert new_epoch != epoch
+    assert index.lookup_prefix(chain).num_blocks == (5 if persistent else 0)
+    reply = ray.get(handle.heartbeat.remote("a", make_stats(1000, 500), [], {}))
+    assert reply.epoch == new_epoch and reply.reannounce
+    ray.get(handle.register_node.remote("a", address, 1000, entries))  # the node re-announces
+    assert index.lookup_prefix(chain).num_blocks == 5
+    assert index.holders(chain[:1]) == [["a"]]
+    drift = ray.get(handle.status.remote())["drift"]
+    assert drift == {"added": 0 if persistent else 5, "removed": 0}
+    ray.kill(handle, no_restart=True)
+
+
+@pytest.mark.ray
+def test_actor_restart_in_memory_index(ray_local: None) -> None:
+    _restart_keeps_reannounced_blocks(KVStoreConfig(), persistent=False)
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+def test_actor_restart_redis_index(ray_local: None, redis_server) -> None:
+    config = KVStoreConfig(index=IndexConfig(backend="redis", redis_url=redis_server.url,
+                                             key_prefix=f"t-{uuid.uuid4().hex[:8]}:"))
+    _restart_keeps_reannounced_blocks(config, persistent=True)
