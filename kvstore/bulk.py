@@ -33,6 +33,7 @@ from typing import Any
 
 import msgpack
 
+from kvstore import metrics
 from kvstore.config import ServerConfig
 from kvstore.errors import (
     KVStoreError,
@@ -330,22 +331,10 @@ class BulkClient:
 
 
 def count_out(path: str, num_blocks: int, nbytes: int) -> None:
-    """Count blocks served, when kvstore.metrics is available."""
-    _count("blocks_out", "bytes_out", path, num_blocks, nbytes)
+    """Count blocks served (kept here so server and client share one spelling)."""
+    metrics.record_out(path, num_blocks, nbytes)
 
 
 def count_in(path: str, num_blocks: int, nbytes: int) -> None:
-    """Count blocks received, when kvstore.metrics is available."""
-    _count("blocks_in", "bytes_in", path, num_blocks, nbytes)
-
-
-def _count(blocks_name: str, bytes_name: str, path: str, num_blocks: int, nbytes: int) -> None:
-    try:
-        from kvstore import metrics
-    except ImportError:
-        return
-    for name, value in ((blocks_name, num_blocks), (bytes_name, nbytes)):
-        counter = getattr(metrics, name.upper(), None) or getattr(metrics, name, None)
-        if counter is not None and hasattr(counter, "labels"):
-            with contextlib.suppress(Exception):
-                counter.labels(path=path).inc(value)
+    """Count blocks received."""
+    metrics.record_in(path, num_blocks, nbytes)

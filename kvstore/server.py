@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from kvstore import metrics
 from kvstore.block import read_header, verify_block
 from kvstore.bulk import BulkServer, count_in, count_out
 from kvstore.config import ServerConfig
@@ -28,6 +29,7 @@ from kvstore.errors import (
     ConfigError,
     KVStoreError,
     LeaseExpired,
+    NamespaceMismatch,
     PoolFull,
     RequestTooLarge,
     Unauthenticated,
@@ -186,6 +188,7 @@ class _Servicer(pb_grpc.StoreNodeServicer):
                 raise ValueError(f"Put stream ended inside block {current.key.hex()[:16]} "
                                  f"({current.received}/{current.total} bytes)")
         except (KVStoreError, ValueError) as exc:
+            metrics.record_rejected(_reject_reason(exc))
             if current is not None and current.reservation is not None:
                 self.pool.abort(current.reservation)
             self._publish(entries, context)  # the blocks verified before the bad one are good
@@ -212,12 +215,12 @@ class _Servicer(pb_grpc.StoreNodeServicer):
         res = block.reservation
         if res is None:
             return None
+        block.reservation = None  # from here on this function owns it: commit or abort
         try:
             header = verify_block(res.view[: block.total], namespace, block.key)
         except BaseException:
             self.pool.abort(res)
             raise
-        block.reservation = None
         if not self.pool.commit(res):
             return None  # a concurrent writer committed the same immutable block first
         self.s.remember(block.key, header.parent_key, header.namespace_root)
@@ -360,6 +363,20 @@ class _Servicer(pb_grpc.StoreNodeServicer):
                 page = []
         if page:
             yield pb.KeyPage(keys=page)
+
+
+def _reject_reason(exc: BaseException) -> str:
+    if isinstance(exc, NamespaceMismatch):
+        return "namespace"
+    if isinstance(exc, BlockMismatch):
+        return "mismatch"
+    if isinstance(exc, BlockCorrupted):
+        return "corrupted"
+    if isinstance(exc, RequestTooLarge):
+        return "too_large"
+    if isinstance(exc, PoolFull):
+        return "pool_full"
+    return "malformed"
 
 
 def metrics_put(entries: list[IndexEntry]) -> None:
