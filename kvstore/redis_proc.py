@@ -18,6 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -123,11 +124,11 @@ class RedisProcess:
             raise NodeUnavailable(f"redis-server on port {self.port} is not running")
         return self._proc.pid
 
-    def client(self) -> redis.Redis:
+    def client(self, **kwargs: Any) -> redis.Redis:
         """A redis-py client for this server (tests use it to inspect or FLUSHDB)."""
-        if self.tls is None:
-            return redis.Redis.from_url(self.url)
-        return redis.Redis.from_url(self.url, ssl_ca_certs=self.tls.ca_file)
+        if self.tls is not None:
+            kwargs.setdefault("ssl_ca_certs", self.tls.ca_file)
+        return redis.Redis.from_url(self.url, **kwargs)
 
     def stop(self) -> None:
         """Stop the server and delete its working directory."""
@@ -149,7 +150,8 @@ class RedisProcess:
             if self._proc.poll() is not None:
                 break
             try:
-                with self.client() as c:
+                # Timeouts: if something else holds the port, it may accept and never answer.
+                with self.client(socket_timeout=1, socket_connect_timeout=1, retry=None) as c:
                     c.ping()
                 return
             except redis.RedisError as exc:
