@@ -49,3 +49,14 @@ def index(request: pytest.FixtureRequest) -> Iterator[Index]:
     yield idx
     idx.clear()
     idx.close()
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[None]:
+    """One local Ray instance for the whole session (2 CPUs, no dashboard)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, namespace="kvstore-tests")
+    yield
+    ray.shutdown()

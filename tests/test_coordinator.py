@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 import uuid
 
 import pytest
@@ -264,7 +265,11 @@ def _restart_keeps_reannounced_blocks(config: KVStoreConfig, persistent: bool) -
     index = CoordinatorIndex(handle)
     assert index.lookup_prefix(chain).num_blocks == 5
     ray.kill(handle, no_restart=False)
-    new_epoch = ray.get(handle.epoch.remote())  # retried until the restarted actor answers
+    deadline = time.monotonic() + 60
+    new_epoch = epoch
+    while new_epoch == epoch and time.monotonic() < deadline:  # kill is asynchronous
+        new_epoch = ray.get(handle.epoch.remote())  # retried until the restarted actor answers
+        time.sleep(0.05)
     assert new_epoch != epoch
     assert index.lookup_prefix(chain).num_blocks == (5 if persistent else 0)
     reply = ray.get(handle.heartbeat.remote("a", make_stats(1000, 500), [], {}))
