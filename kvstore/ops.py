@@ -19,6 +19,8 @@ tokens.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = ["kv_cache_scatter", "paged_cache_load", "nz_align", "SUPPORTED_DTYPES"]
@@ -211,16 +213,26 @@ def _check_out(
     return out[0], out[1]
 
 
-def _gather(cache: torch.Tensor, slot_dim: int, b: torch.Tensor, s: torch.Tensor,
-            dst: torch.Tensor) -> None:
-    """``dst[k] = cache[b[k], (slot s[k])]`` with the non-token dims kept, into ``dst``."""
-    rows = _row_view(cache, 0, slot_dim)
+def _gather(cache: torch.Tensor, slot_dim: int, rows: tuple[torch.Tensor, int] | None,
+            unit: int, b: torch.Tensor, s: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst[k] = cache[b[k], (slot s[k])]`` with the non-token dims kept, into ``dst``.
+
+    With ``unit > 1`` each index moves ``unit`` consecutive slots (``s`` counts units).
+    """
     if rows is None:
         picked = cache[b, s] if slot_dim == 1 else cache[b, :, s]
         dst.copy_(picked.reshape(dst.shape))
         return
     view, ratio = rows
-    torch.index_select(view, 0, b * ratio + s if ratio != 1 else b + s, out=dst)
+    if unit > 1:
+        # Runs of `unit` slots are contiguous rows both in the cache and in the output.
+        num_rows, *rest = view.shape
+        row_stride, *rest_strides = view.stride()
+        view = view.as_strided([num_rows // unit, unit, *rest],
+                               [row_stride * unit, row_stride, *rest_strides],
+                               view.storage_offset())
+        dst = dst.view(-1, unit, *rest)
+    torch.index_select(view, 0, b * (ratio // unit) + s, out=dst)
 
 
 def paged_cache_load(
@@ -330,13 +342,23 @@ def paged_cache_load(
     if num_tokens == 0:
         return key_out, value_out
 
-    # Token k of sequence i is position t = k - out_start[i] + starts[i] of that sequence.
-    seq = torch.repeat_interleave(torch.arange(batch, device=device), lens,
-                                  output_size=num_tokens)
-    out_start = torch.cumsum(lens, 0) - lens
-    t = torch.arange(num_tokens, device=device) + (starts - out_start)[seq]
-    pos = torch.div(t, block_size, rounding_mode="floor")
-    slot = t - pos * block_size
+    k_rows = _row_view(key_cache, 0, slot_dim)
+    v_rows = _row_view(value_cache, 0, slot_dim)
+    # Move runs of `unit` tokens at once when every sequence's start and length, the block
+    # size and the caches' row ratios are multiples of it (whole-block loads, typically).
+    unit = 1
+    if layout == "ND" and k_rows is not None and v_rows is not None:
+        unit = math.gcd(block_size, k_rows[1], v_rows[1], *starts.tolist(), *lens.tolist())
+    lens_u, starts_u, bs_u = lens // unit, starts // unit, block_size // unit
+    num_units = num_tokens // unit
+
+    # Unit k of sequence i is position t = k - out_start[i] + starts[i] of that sequence.
+    seq = torch.repeat_interleave(torch.arange(batch, device=device), lens_u,
+                                  output_size=num_units)
+    out_start = torch.cumsum(lens_u, 0) - lens_u
+    t = torch.arange(num_units, device=device) + (starts_u - out_start)[seq]
+    pos = torch.div(t, bs_u, rounding_mode="floor")
+    slot = t - pos * bs_u
     b = table.reshape(-1)[seq * width + pos] if table.is_contiguous() else table[seq, pos]
     bad = (b < 0) | (b >= num_blocks)
     if bool(bad.any()):
@@ -344,12 +366,14 @@ def paged_cache_load(
         i, p = int(seq[k]), int(pos[k])
         raise ValueError(
             f"block_table[{i}][{p}] = {int(b[k])} is outside [0, num_blocks={num_blocks}) "
-            f"but sequence {i} uses it (token {int(t[k])})"
+            f"but sequence {i} uses it (token {int(t[k]) * unit})"
         )
     if layout == "ND":
-        _gather(key_cache, 1, b, slot, key_out)
-        _gather(value_cache, 1, b, slot, value_out)
+        _gather(key_cache, 1, k_rows, unit, b, slot, key_out)
+        _gather(value_cache, 1, v_rows, unit, b, slot, value_out)
     else:
-        _gather(key_cache, 2, b, slot, key_out.view(num_tokens, key_cache.shape[1], -1))
-        _gather(value_cache, 2, b, slot, value_out.view(num_tokens, value_cache.shape[1], -1))
+        _gather(key_cache, 2, k_rows, 1, b, slot,
+                key_out.view(num_tokens, key_cache.shape[1], -1))
+        _gather(value_cache, 2, v_rows, 1, b, slot,
+                value_out.view(num_tokens, value_cache.shape[1], -1))
     return key_out, value_out
