@@ -1,0 +1,265 @@
+"""Exact reuse: cached runs are bitwise equal to uncached runs; all against references.
+
+Block size 16 and chunk 32 on the tiny preset, in-process on LocalStore (full verification).
+The uncached reference is the same engine with no store; the independent reference is a plain
+transformers forward over the whole sequence with no cache at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from kvstore.api import MISS_NODE_UNAVAILABLE, FetchedBlock, Miss, TokenIds
+from kvstore.config import WorkerConfig
+from kvstore.errors import ConfigError, RequestCancelled
+from kvstore.keys import Namespace
+from kvstore.local import LocalStore
+from workers.engine import Engine, SamplingParams
+from workers.model import load_model
+
+BS, CHUNK = 16, 32
+SAMPLING = SamplingParams(max_new_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny", seed=0)
+
+
+def make_config(**kw) -> WorkerConfig:
+    return WorkerConfig(model="tiny", block_size=BS, prefill_chunk_tokens=CHUNK, **kw)
+
+
+def make_prompt(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 512, (n,), generator=g).tolist()
+
+
+def reference(model, prompt: list[int]):
+    """Uncached run of the same engine: first-token logits, step logits, tokens."""
+    pre, dec = Engine(model, None, make_config()).generate(prompt, sampling=SAMPLING,
+                                                          return_logits=True)
+    return pre.logits, dec.logits, dec.output_token_ids
+
+
+def assert_same(model, prompt, pre, dec):
+    ref_logits, ref_steps, ref_tokens = reference(model, prompt)
+    assert torch.equal(pre.logits, ref_logits)
+    assert dec.output_token_ids == ref_tokens
+    assert len(dec.logits) == len(ref_steps)
+    assert all(torch.equal(a, b) for a, b in zip(dec.logits, ref_steps, strict=True))
+
+
+def disaggregated(engine_p: Engine, engine_d: Engine, prompt, *, tail=True):
+    pre = engine_p.prefill(prompt, sampling=SAMPLING, return_logits=True)
+    dec = engine_d.decode(prompt, pre.first_token, tail=pre.tail if tail else None,
+                          sampling=SAMPLING, return_logits=True)
+    return pre, dec
+
+
+class HolderGone:
+    """A store whose holder dies mid-fetch: blocks from ``fail_from`` on come back as Miss."""
+
+    def __init__(self, inner: LocalStore, fail_from: int) -> None:
+        self.inner, self.fail_from, self.node_id = inner, fail_from, "dying"
+
+    def lookup_prefix(self, namespace: Namespace, keys: Sequence[bytes]):
+        return self.inner.lookup_prefix(namespace, keys)
+
+    def batch_get(self, namespace: Namespace, keys: Sequence[bytes],
+                  token_ids: Sequence[TokenIds]) -> list[FetchedBlock | Miss]:
+        got = self.inner.batch_get(namespace, keys, token_ids)
+        return [r if i < self.fail_from else Miss(r.key, MISS_NODE_UNAVAILABLE, "node died")
+                for i, r in enumerate(got)]
+
+    def batch_put(self, namespace, blocks) -> None:
+        self.inner.batch_put(namespace, blocks)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("n", [20, 32, 48, 64, 77, 96, 130])
+def test_cold_then_warm_equals_uncached(model, n):
+    store = LocalStore()
+    engine = Engine(model, store, make_config())
+    pre, dec = disaggregated(engine, Engine(model, store, make_config()), make_prompt(n))
+    assert pre.cached_tokens == 0
+    assert_same(model, make_prompt(n), pre, dec)
+    # Blocks of whole chunks only are published; the partial last chunk stays private.
+    assert len(store.blocks) == n // CHUNK * CHUNK // BS
+    # Warm: same prompt again, hit up to the last chunk boundary strictly before the end.
+    pre2, dec2 = disaggregated(engine, engine, make_prompt(n))
+    assert pre2.cached_tokens == (n - 1) // CHUNK * CHUNK
+    assert_same(model, make_prompt(n), pre2, dec2)
+    assert dec2.recomputed_tokens == 0 and dec2.fetched_tokens == n // CHUNK * CHUNK
+
+
+@pytest.mark.parametrize("shared", [16, 40, 64, 75])
+def test_partial_hit_is_cut_at_a_chunk_boundary(model, shared):
+    store = LocalStore()
+    engine = Engine(model, store, make_config())
+    base = make_prompt(100, seed=1)
+    engine.prefill(base)
+    prompt = base[:shared] + make_prompt(50, seed=2)
+    pre, dec = disaggregated(engine, engine, prompt, tail=False)
+    assert pre.cached_tokens == shared // CHUNK * CHUNK
+    assert_same(model, prompt, pre, dec)
+
+
+def test_fetched_kv_is_bitwise_what_prefill_computed(model):
+    store = LocalStore()
+    engine = Engine(model, store, make_config())
+    prompt = make_prompt(96)
+    pre = engine.prefill(prompt)
+    cache = model.new_cache()
+    for pos in range(0, 96, CHUNK):
+        model.forward(prompt[pos:pos + CHUNK], cache)
+    expected = model.export_blocks(cache, 0, 6, BS)
+    got = store.batch_get(engine.namespace, pre.block_keys,
+                          [prompt[i * BS:(i + 1) * BS] for i in range(6)])
+    assert all(isinstance(r, FetchedBlock) and torch.equal(r.payload, e)
+               for r, e in zip(got, expected, strict=True))
+
+
+def test_close_to_a_plain_transformers_forward(model):
+    checked = 0
+    for seed in range(4):
+        prompt = make_prompt(70, seed=seed)
+        store = LocalStore()
+        engine = Engine(model, store, make_config())
+        engine.prefill(prompt[:64])
+        pre, dec = disaggregated(engine, engine, prompt)
+        seq = list(prompt)
+        gaps = []
+        with torch.inference_mode():
+            for step in range(SAMPLING.max_new_tokens):
+                ref = model.model(torch.tensor([seq]), use_cache=False).logits[0, -1]
+                ours = pre.logits if step == 0 else dec.logits[step - 1]
+                assert torch.allclose(ours, ref, atol=1e-4, rtol=0)
+                top2 = torch.topk(ref, 2).values
+                gaps.append(float(top2[0] - top2[1]))
+                seq.append(int(torch.argmax(ref)))
+        if min(gaps) > 1e-3:  # tokens are only comparable when the argmax is not a near-tie
+            assert dec.output_token_ids == seq[len(prompt):]
+            checked += 1
+    assert checked >= 1
+
+
+def test_corrupted_block_in_the_middle_is_recomputed(model):
+    store = LocalStore()
+    engine = Engine(model, store, make_config())
+    prompt = make_prompt(110, seed=3)
+    first = engine.prefill(prompt)
+    store.corrupt(first.block_keys[3])  # chunk 1 holds blocks 2 and 3
+    pre, dec = disaggregated(engine, engine, prompt, tail=False)
+    assert pre.cached_tokens == CHUNK and "corrupted" in pre.misses
+    assert dec.fetched_tokens == CHUNK and "corrupted" in dec.misses
+    assert_same(model, prompt, pre, dec)
+
+
+def test_two_system_prompts_each_reused(model):
+    store = LocalStore()
+    engine = Engine(model, store, make_config())
+    sys_a, sys_b = make_prompt(64, seed=10), make_prompt(64, seed=11)
+    engine.prefill(sys_a + [1])
+    engine.prefill(sys_b + [1])
+    for sys_prompt, suffix_seed in ((sys_a, 20), (sys_b, 21), (sys_a, 22)):
+        prompt = sys_prompt + make_prompt(23, seed=suffix_seed)
+        pre, dec = disaggregated(engine, engine, prompt)
+        assert pre.cached_tokens == 64
+        assert_same(model, prompt, pre, dec)
+
+
+def test_tenants_with_different_salts_share_nothing(model):
+    store = LocalStore()
+    a = Engine(model, store, make_config(cache_salt="tenant-a"))
+    b = Engine(model, store, make_config(cache_salt="tenant-b"))
+    prompt = make_prompt(80, seed=4)
+    a.prefill(prompt)
+    assert store.lookup_prefix(b.namespace, b.hasher.block_keys(prompt)).num_blocks == 0
+    pre = b.prefill(prompt)
+    assert pre.cached_tokens == 0 and pre.bytes_fetched == 0
+
+
+def test_a_second_replica_hits_the_first_ones_blocks(model):
+    store = LocalStore(node_id="node-a")
+    first = Engine(model, store, make_config())
+    second = Engine(load_model("tiny", seed=0), store, make_config())
+    prompt = make_prompt(90, seed=5)
+    first.prefill(prompt)
+    pre, dec = disaggregated(second, second, prompt)
+    assert pre.cached_tokens == 64 and pre.sources == {"node-a": 4}
+    assert pre.bytes_fetched == 4 * second.namespace.payload_nbytes
+    assert_same(model, prompt, pre, dec)
+
+
+@pytest.mark.parametrize("fail_from", [0, 1, 3])
+def test_decode_survives_a_holder_dying_mid_fetch(model, fail_from):
+    store = LocalStore()
+    prompt = make_prompt(100, seed=6)
+    pre = Engine(model, store, make_config()).prefill(prompt, sampling=SAMPLING,
+                                                      return_logits=True)
+    dying = Engine(model, HolderGone(store, fail_from), make_config())
+    dec = dying.decode(prompt, pre.first_token, tail=pre.tail, sampling=SAMPLING,
+                       return_logits=True)
+    assert dec.fetched_tokens == fail_from // 2 * CHUNK
+    assert MISS_NODE_UNAVAILABLE in dec.misses
+    assert_same(model, prompt, pre, dec)
+
+
+def test_sampling_is_seeded_and_replica_independent(model):
+    store = LocalStore()
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=50, sampling_seed=7)
+    prompt = make_prompt(70, seed=8)
+    _, ref = Engine(model, None, make_config()).generate(prompt, sampling=sampling)
+    engine = Engine(model, store, make_config())
+    engine.prefill(prompt)
+    pre = engine.prefill(prompt, sampling=sampling)
+    dec = engine.decode(prompt, pre.first_token, tail=pre.tail, sampling=sampling)
+    assert dec.output_token_ids == ref.output_token_ids
+
+
+def test_stop_token_ends_generation(model):
+    prompt = make_prompt(40, seed=9)
+    _, full = Engine(model, None, make_config()).generate(prompt, sampling=SAMPLING)
+    stop = full.output_token_ids[2]
+    sampling = SamplingParams(max_new_tokens=6, stop_token_ids=(stop,))
+    _, dec = Engine(model, None, make_config()).generate(prompt, sampling=sampling)
+    assert dec.output_token_ids == full.output_token_ids[:full.output_token_ids.index(stop) + 1]
+
+
+def test_cancel_releases_the_request(model):
+    store = LocalStore()
+    engine = Engine(model, store, make_config())
+    prompt = make_prompt(96, seed=12)
+    engine.prefill(prompt)
+
+    class CancelDuringFetch(HolderGone):
+        def batch_get(self, namespace, keys, token_ids):
+            engine.cancel("r1")
+            return self.inner.batch_get(namespace, keys, token_ids)
+
+    engine.store = CancelDuringFetch(store, 0)
+    with pytest.raises(RequestCancelled, match="cancelled"):
+        engine.decode(prompt, 1, request_id="r1")
+    assert engine.num_active == 0
+    engine.store = store
+    assert engine.decode(prompt, 1, request_id="r1").output_token_ids  # the id is reusable
+
+
+def test_timeout_raises_request_cancelled(model):
+    engine = Engine(model, None, make_config(request_timeout_s=1e-9))
+    with pytest.raises(RequestCancelled, match="timed out"):
+        engine.prefill(make_prompt(40))
+    assert engine.num_active == 0
+
+
+@pytest.mark.parametrize("prompt, match", [([], "empty"), ([1, 512], "vocabulary"),
+                                           ([-1], "vocabulary")])
+def test_bad_prompts_are_config_errors(model, prompt, match):
+    with pytest.raises(ConfigError, match=match):
+        Engine(model, LocalStore(), make_config()).prefill(prompt)

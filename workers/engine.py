@@ -1,0 +1,375 @@
+"""The prefill/decode engine: exact KV reuse over any ``KVStore`` (design.md §4).
+
+Exact reuse rests on one rule: the prompt is computed in canonical chunks of
+``prefill_chunk_tokens`` counted from token 0, each on top of the KV of everything before it.
+
+    tokens  |--- chunk 0 ---|--- chunk 1 ---|--- chunk 2 ---|-- tail --|
+    blocks  |b0 |b1 |b2 |b3 |b4 |b5 |b6 |b7 |b8 |b9 |b10|b11|b12|      |
+            <--------- published (whole chunks) ---------->  private
+
+* Only blocks of whole chunks are published. A block computed inside a partial (last) chunk
+  went through different matmul shapes than the same block inside a whole chunk, and blocks
+  are immutable, first writer wins: publishing it could hand non-canonical KV to a later
+  request. The tail (the last, partial chunk) travels to decode privately (``TailKV``).
+* A hit is used up to the last chunk boundary it covers, so the model always resumes at a
+  chunk boundary with exactly the KV a cold run would have there.
+
+Hence a cached run and a ``use_cache=False`` run do the same arithmetic in the same order and
+their logits and tokens are bitwise equal. A Miss (rejected block, holder gone) only moves the
+resume point back to the chunk boundary before it: never a failure, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from kvstore.api import BlockPut, FetchedBlock, KVStore, TokenIds
+from kvstore.config import WorkerConfig
+from kvstore.errors import ConfigError, RequestCancelled
+from kvstore.keys import BlockHasher
+from workers.model import CausalLM
+from workers.paged_kv import gather_blocks, scatter_blocks
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How tokens are picked: greedy when ``temperature == 0``, else seeded sampling."""
+
+    max_new_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    sampling_seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0 or self.top_k < 0:
+            raise ConfigError("temperature and top_k must be >= 0")
+
+
+@dataclass(slots=True)
+class TailKV:
+    """KV of the prompt's last, partial chunk: handed from prefill to decode, never published."""
+
+    start: int
+    kv: torch.Tensor  # [L, 2, T, H, D]
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """What a prefill returns: the first token, where its KV came from, and the private tail."""
+
+    request_id: str
+    first_token: int
+    num_prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    block_keys: list[bytes]
+    num_published_blocks: int
+    sources: dict[str, int]
+    bytes_fetched: int
+    ttft_s: float
+    timings: dict[str, float]
+    misses: list[str] = field(default_factory=list)
+    tail: TailKV | None = None
+    logits: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class DecodeResult:
+    """Generated tokens (the prefill's first token first) and how the prompt KV was obtained."""
+
+    request_id: str
+    output_token_ids: list[int]
+    fetched_tokens: int
+    recomputed_tokens: int
+    sources: dict[str, int]
+    bytes_fetched: int
+    decode_s: float
+    timings: dict[str, float]
+    misses: list[str] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = len(self.output_token_ids) - 1
+        return steps / self.decode_s if self.decode_s > 0 else float("inf")
+
+
+@dataclass(slots=True)
+class _Fetch:
+    """Leading blocks fetched from the store, cut at a chunk boundary."""
+
+    payloads: list[torch.Tensor]
+    sources: dict[str, int]
+    bytes_fetched: int
+    misses: list[str]
+
+
+def pick_token(logits: torch.Tensor, sampling: SamplingParams, step: int) -> int:
+    """Greedy or seeded sampling; the seed depends on the step only, so any replica agrees."""
+    if sampling.temperature == 0:
+        return int(torch.argmax(logits))
+    scaled = logits.double() / sampling.temperature
+    if sampling.top_k:
+        kth = torch.topk(scaled, min(sampling.top_k, scaled.numel())).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    gen = torch.Generator().manual_seed(sampling.sampling_seed * 1_000_003 + step)
+    return int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=gen))
+
+
+class Engine:
+    """Prefill and decode for one model over one store (``None``: no store at all)."""
+
+    def __init__(self, model: CausalLM, store: KVStore | None, config: WorkerConfig) -> None:
+        self.model = model
+        self.store = store
+        self.config = config
+        self.block_size = config.block_size
+        self.chunk_tokens = config.prefill_chunk_tokens
+        self.namespace = model.namespace(config.block_size, config.cache_salt)
+        self.hasher = BlockHasher(self.namespace)
+        self._lock = threading.Lock()
+        self._cancelled: set[str] = set()
+        self._active: dict[str, DynamicCache | None] = {}
+
+    # -- request lifecycle ------------------------------------------------------------------
+
+    @property
+    def num_active(self) -> int:
+        """Requests holding KV right now (0 after every request ends, cancelled or not)."""
+        with self._lock:
+            return len(self._active)
+
+    def cancel(self, request_id: str) -> None:
+        """Ask a running request to stop; it raises RequestCancelled and releases its KV."""
+        with self._lock:
+            self._cancelled.add(request_id)
+
+    def _begin(self, request_id: str) -> float:
+        with self._lock:
+            if request_id in self._active:
+                raise ConfigError(f"request id {request_id!r} is already running")
+            self._active[request_id] = None
+        return time.monotonic() + self.config.request_timeout_s
+
+    def _end(self, request_id: str) -> None:
+        with self._lock:
+            self._active.pop(request_id, None)
+            self._cancelled.discard(request_id)
+
+    def _check(self, request_id: str, deadline: float) -> None:
+        with self._lock:
+            cancelled = request_id in self._cancelled
+        if cancelled:
+            raise RequestCancelled(f"request {request_id!r} was cancelled")
+        if time.monotonic() > deadline:
+            raise RequestCancelled(f"request {request_id!r} timed out after "
+                                   f"{self.config.request_timeout_s}s (worker.request_timeout_s)")
+
+    # -- shared steps -----------------------------------------------------------------------
+
+    def _tokens(self, token_ids: TokenIds) -> list[int]:
+        tokens = [int(t) for t in (token_ids.tolist() if hasattr(token_ids, "tolist")
+                                   else token_ids)]
+        if not tokens:
+            raise ConfigError("the prompt is empty; give at least one token")
+        vocab = self.model.shape.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise ConfigError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
+        return tokens
+
+    def _block_tokens(self, tokens: list[int], i: int) -> list[int]:
+        return tokens[i * self.block_size:(i + 1) * self.block_size]
+
+    def _fetch(self, tokens: list[int], keys: Sequence[bytes], num_blocks: int) -> _Fetch:
+        """Fetch the first ``num_blocks`` blocks; keep the leading run, cut at a chunk boundary."""
+        fetch = _Fetch([], {}, 0, [])
+        if num_blocks == 0 or self.store is None:
+            return fetch
+        results = self.store.batch_get(self.namespace, keys[:num_blocks],
+                                       [self._block_tokens(tokens, i) for i in range(num_blocks)])
+        for r in results:
+            if not isinstance(r, FetchedBlock):
+                fetch.misses.append(r.reason)
+                break
+            fetch.payloads.append(r.payload)
+            fetch.bytes_fetched += r.payload.numel() * r.payload.element_size()
+        blocks_per_chunk = self.chunk_tokens // self.block_size
+        usable = len(fetch.payloads) // blocks_per_chunk * blocks_per_chunk
+        del fetch.payloads[usable:]
+        for r in results[:usable]:
+            assert isinstance(r, FetchedBlock)
+            fetch.sources[r.node_id] = fetch.sources.get(r.node_id, 0) + 1
+        return fetch
+
+    def _run_chunks(self, tokens: list[int], start: int, cache: DynamicCache,
+                    request_id: str, deadline: float) -> torch.Tensor | None:
+        """Canonical chunks from ``start`` (a chunk boundary) to the end of ``tokens``."""
+        logits = None
+        for pos in range(start, len(tokens), self.chunk_tokens):
+            self._check(request_id, deadline)
+            logits = self.model.forward(tokens[pos:pos + self.chunk_tokens], cache)
+        return logits
+
+    def _continue(self, cache: DynamicCache, first_token: int, sampling: SamplingParams,
+                  request_id: str, deadline: float, return_logits: bool
+                  ) -> tuple[list[int], list[torch.Tensor]]:
+        """Generate after the first token, one token per step."""
+        out = [first_token]
+        all_logits: list[torch.Tensor] = []
+        while len(out) < sampling.max_new_tokens and out[-1] not in sampling.stop_token_ids:
+            self._check(request_id, deadline)
+            logits = self.model.forward([out[-1]], cache)
+            if return_logits:
+                all_logits.append(logits)
+            out.append(pick_token(logits, sampling, len(out)))
+        return out, all_logits
+
+    # -- prefill ----------------------------------------------------------------------------
+
+    def _prefill(self, token_ids: TokenIds, sampling: SamplingParams, request_id: str,
+                 use_cache: bool, deadline: float) -> tuple[PrefillResult, DynamicCache]:
+        t0 = time.perf_counter()
+        tokens = self._tokens(token_ids)
+        n, bs, chunk = len(tokens), self.block_size, self.chunk_tokens
+        keys = self.hasher.block_keys(tokens)
+        use_store = use_cache and self.store is not None
+        hit = self.store.lookup_prefix(self.namespace, keys).num_blocks if use_store else 0
+        # The last chunk always runs (its logits give the first token), so never resume at n.
+        max_resume = (n - 1) // chunk * chunk
+        fetch = self._fetch(tokens, keys, min(hit, max_resume // bs))
+        t_fetch = time.perf_counter()
+        resume = len(fetch.payloads) * bs
+        if fetch.payloads:
+            cache = self.model.cache_from_kv(*scatter_blocks(fetch.payloads))
+        else:
+            cache = self.model.new_cache()
+        with self._lock:
+            self._active[request_id] = cache
+        logits = self._run_chunks(tokens, resume, cache, request_id, deadline)
+        assert logits is not None
+        first = pick_token(logits, sampling, 0)
+        ttft = time.perf_counter() - t0
+        published_end = n // chunk * chunk
+        num_new = 0
+        if use_store and self.store is not None:
+            # Blocks already cached past the resume point are skipped, unless a fetch failed:
+            # then everything from the resume point is re-offered to replace the bad copy.
+            first_new = resume // bs if fetch.misses else max(resume // bs,
+                                                              min(hit, published_end // bs))
+            puts = [BlockPut(keys[i], keys[i - 1] if i else self.namespace.root,
+                             self._block_tokens(tokens, i), payload)
+                     for i, payload in enumerate(
+                         self.model.export_blocks(cache, first_new * bs,
+                                                  published_end // bs - first_new, bs),
+                         start=first_new)]
+            if puts:
+                self.store.batch_put(self.namespace, puts)
+            num_new = len(puts)
+        tail = (TailKV(published_end, self.model.export_kv(cache, published_end, n))
+                if published_end < n else None)
+        t_end = time.perf_counter()
+        result = PrefillResult(
+            request_id=request_id, first_token=first, num_prompt_tokens=n,
+            cached_tokens=resume, computed_tokens=n - resume,
+            block_keys=list(keys[:published_end // bs]), num_published_blocks=num_new,
+            sources=fetch.sources, bytes_fetched=fetch.bytes_fetched, ttft_s=ttft,
+            timings={"fetch_s": t_fetch - t0, "compute_s": ttft - (t_fetch - t0),
+                     "publish_s": t_end - t0 - ttft},
+            misses=fetch.misses, tail=tail, logits=logits)
+        return result, cache
+
+    def prefill(self, token_ids: TokenIds, *, request_id: str = "prefill",
+                sampling: SamplingParams | None = None, use_cache: bool = True,
+                return_logits: bool = False) -> PrefillResult:
+        """Compute the uncached part of the prompt, publish new blocks, return the first token."""
+        deadline = self._begin(request_id)
+        try:
+            result, _ = self._prefill(token_ids, sampling or SamplingParams(), request_id,
+                                      use_cache, deadline)
+        finally:
+            self._end(request_id)
+        if not return_logits:
+            result.logits = None
+        return result
+
+    # -- decode -----------------------------------------------------------------------------
+
+    def decode(self, token_ids: TokenIds, first_token: int, *, tail: TailKV | None = None,
+               request_id: str = "decode", sampling: SamplingParams | None = None,
+               use_cache: bool = True, return_logits: bool = False) -> DecodeResult:
+        """Fetch the prompt's KV, recompute what is missing, and generate after ``first_token``."""
+        sampling = sampling or SamplingParams()
+        deadline = self._begin(request_id)
+        try:
+            t0 = time.perf_counter()
+            tokens = self._tokens(token_ids)
+            n, bs, chunk = len(tokens), self.block_size, self.chunk_tokens
+            whole = n // chunk * chunk
+            keys = self.hasher.block_keys(tokens[:whole])
+            fetch = self._fetch(tokens, keys, len(keys) if use_cache else 0)
+            resume = len(fetch.payloads) * bs
+            keys_kv: list[torch.Tensor] = []
+            values_kv: list[torch.Tensor] = []
+            if fetch.payloads:
+                keys_kv, values_kv = gather_blocks(fetch.payloads)
+            use_tail = tail is not None and resume == whole and tail.start == whole
+            if use_tail:
+                assert tail is not None
+                kv = tail.kv
+                tail_k = [kv[layer, 0] for layer in range(kv.shape[0])]
+                tail_v = [kv[layer, 1] for layer in range(kv.shape[0])]
+                keys_kv = [torch.cat(p) for p in zip(keys_kv, tail_k, strict=True)] \
+                    if keys_kv else tail_k
+                values_kv = [torch.cat(p) for p in zip(values_kv, tail_v, strict=True)] \
+                    if values_kv else tail_v
+            cache = self.model.cache_from_kv(keys_kv, values_kv) if keys_kv \
+                else self.model.new_cache()
+            with self._lock:
+                self._active[request_id] = cache
+            have = n if use_tail else resume
+            self._run_chunks(tokens, have, cache, request_id, deadline)
+            t_ready = time.perf_counter()
+            out, logits = self._continue(cache, first_token, sampling, request_id, deadline,
+                                         return_logits)
+            t_end = time.perf_counter()
+        finally:
+            self._end(request_id)
+        return DecodeResult(
+            request_id=request_id, output_token_ids=out, fetched_tokens=resume,
+            recomputed_tokens=n - have, sources=fetch.sources, bytes_fetched=fetch.bytes_fetched,
+            decode_s=t_end - t_ready,
+            timings={"setup_s": t_ready - t0, "decode_s": t_end - t_ready},
+            misses=fetch.misses, logits=logits)
+
+    # -- both in one place --------------------------------------------------------------------
+
+    def generate(self, token_ids: TokenIds, *, request_id: str = "generate",
+                 sampling: SamplingParams | None = None, use_cache: bool = True,
+                 return_logits: bool = False) -> tuple[PrefillResult, DecodeResult]:
+        """Prefill then decode on the prefill's own KV (no fetch): the local-KV path."""
+        sampling = sampling or SamplingParams()
+        deadline = self._begin(request_id)
+        try:
+            pre, cache = self._prefill(token_ids, sampling, request_id, use_cache, deadline)
+            t0 = time.perf_counter()
+            out, logits = self._continue(cache, pre.first_token, sampling, request_id, deadline,
+                                         return_logits)
+            decode_s = time.perf_counter() - t0
+        finally:
+            self._end(request_id)
+        if not return_logits:
+            pre.logits = None
+        dec = DecodeResult(request_id=request_id, output_token_ids=out,
+                           fetched_tokens=0, recomputed_tokens=0, sources={}, bytes_fetched=0,
+                           decode_s=decode_s, timings={"decode_s": decode_s}, logits=logits)
+        return pre, dec

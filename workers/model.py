@@ -1,0 +1,176 @@
+"""The model adapter: a Llama-architecture causal LM whose KV the store can hold.
+
+It loads a local weights directory or builds a random-initialised preset in-process (nothing is
+downloaded), fingerprints config + weights bytes for the namespace, and exposes the three
+things the engine needs: run a chunk on top of a cache, build a cache from given K/V, and
+export K/V in the block layout ``[L, 2, bs, H, D]``.
+
+Reproducibility: the thread count is fixed and the attention implementation is ``eager``.
+Eager attention is two plain matmuls and a softmax on every machine; ``sdpa`` picks among
+fused kernels by shape, mask and CPU features, so two hosts (or two torch builds) may reduce in
+different orders. Bitwise reuse needs the arithmetic pinned, and eager pins more of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from kvstore.errors import ConfigError
+from kvstore.keys import DTYPES, Namespace
+
+ATTN_IMPLEMENTATION = "eager"
+
+#: Random-initialised presets: ``tiny`` for tests, ``small`` for the demo and benchmarks.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=176, vocab_size=512,
+                 max_position_embeddings=4096, initializer_range=0.08),
+    "small": dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16,
+                  num_key_value_heads=4, intermediate_size=2816, vocab_size=32000,
+                  max_position_embeddings=8192, initializer_range=0.02),
+}
+
+# Config fields that name where or how a model was loaded, not what it computes.
+# (save_pretrained adds "architectures" to the config it saves, so it cannot count either.)
+_VOLATILE_CONFIG_KEYS = ("_name_or_path", "architectures", "transformers_version",
+                         "_attn_implementation", "_attn_implementation_internal", "_commit_hash",
+                         "dtype", "torch_dtype")
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 over every parameter and buffer: name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    state = model.state_dict()
+    for name in sorted(state):
+        tensor = state[name].detach().to("cpu").contiguous()
+        h.update(name.encode())
+        h.update(f"{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        h.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return h.hexdigest()
+
+
+def config_digest(config: Any) -> str:
+    """sha256 of the config's canonical JSON, without load-time fields."""
+    fields = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@dataclass(slots=True)
+class ModelShape:
+    """What a KV block of this model looks like."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+
+class CausalLM:
+    """A loaded causal LM with its fingerprint; runs chunks on a ``DynamicCache``."""
+
+    def __init__(self, model: torch.nn.Module, dtype: str, name: str) -> None:
+        self.model = model.eval()
+        self.config = model.config
+        self.dtype = dtype
+        self.name = name
+        cfg = self.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.shape = ModelShape(cfg.num_hidden_layers,
+                                cfg.num_key_value_heads or cfg.num_attention_heads,
+                                head_dim, cfg.vocab_size)
+        if getattr(cfg, "sliding_window", None):
+            raise ConfigError(f"model {name!r} uses sliding-window attention; kvstore blocks "
+                              "need full attention (use a Llama-style model without it)")
+        # Computed once at load: hashing the weights is the costly part of the fingerprint.
+        self.fingerprint = hashlib.sha256(
+            (config_digest(cfg) + weights_digest(model)).encode()).hexdigest()
+
+    def namespace(self, block_size: int, cache_salt: str = "") -> Namespace:
+        """The namespace of this model's KV blocks for a block size and tenant salt."""
+        return Namespace(self.fingerprint, self.dtype, block_size, self.shape.num_layers,
+                         self.shape.num_kv_heads, self.shape.head_dim, cache_salt)
+
+    def new_cache(self) -> DynamicCache:
+        """An empty cache."""
+        return DynamicCache(config=self.config)
+
+    def cache_from_kv(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
+        """A cache holding given per-layer K/V, each ``[T, H, D]`` (token-major, as gathered)."""
+        data = [(k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))
+                for k, v in zip(keys, values, strict=True)]
+        # DynamicLayer.update concatenates onto an empty tensor, so the cache owns a fresh,
+        # contiguous [1, H, T, D] copy: the same layout a cache built by running the model has.
+        return DynamicCache(ddp_cache_data=data, config=self.config)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int], cache: DynamicCache) -> torch.Tensor:
+        """Run ``token_ids`` on top of ``cache`` (which grows); the last position's logits."""
+        input_ids = torch.tensor([token_ids], dtype=torch.long)
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                         logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    @staticmethod
+    def cache_kv(cache: DynamicCache, layer: int, start: int, end: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of tokens ``[start, end)`` of one layer, as ``[T, H, D]`` views."""
+        lay = cache.layers[layer]
+        return (lay.keys[0, :, start:end].transpose(0, 1),
+                lay.values[0, :, start:end].transpose(0, 1))
+
+    def export_kv(self, cache: DynamicCache, start: int, end: int) -> torch.Tensor:
+        """Tokens ``[start, end)`` of the cache as one ``[L, 2, T, H, D]`` tensor (a copy)."""
+        per_layer = [torch.stack(self.cache_kv(cache, layer, start, end))
+                     for layer in range(self.shape.num_layers)]
+        return torch.stack(per_layer).contiguous()
+
+    def export_blocks(self, cache: DynamicCache, start: int, num_blocks: int,
+                      block_size: int) -> list[torch.Tensor]:
+        """``num_blocks`` full blocks from token ``start``, each ``[L, 2, bs, H, D]``."""
+        kv = self.export_kv(cache, start, start + num_blocks * block_size)
+        return [kv[:, :, i * block_size:(i + 1) * block_size].contiguous()
+                for i in range(num_blocks)]
+
+
+def _random_model(preset: str, seed: int, dtype: torch.dtype) -> torch.nn.Module:
+    config = LlamaConfig(**PRESETS[preset], attn_implementation=ATTN_IMPLEMENTATION)
+    # A forked RNG: loading a model must not disturb the caller's random stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(dtype)
+
+
+def load_model(spec: str, *, seed: int = 0, dtype: str = "float32",
+               num_threads: int | None = 1) -> CausalLM:
+    """A preset name (``tiny``, ``small``: random weights from ``seed``) or a weights directory.
+
+    ``num_threads`` fixes torch's intra-op thread count for this process (None leaves it).
+    """
+    if dtype not in DTYPES or dtype == "int8":
+        raise ConfigError(f"model dtype {dtype!r} is not supported; use float32, float16 or "
+                          "bfloat16")
+    if num_threads is not None:
+        if num_threads < 1:
+            raise ConfigError(f"num_threads must be >= 1, got {num_threads}")
+        torch.set_num_threads(num_threads)
+    torch_dtype = DTYPES[dtype]
+    if spec in PRESETS:
+        return CausalLM(_random_model(spec, seed, torch_dtype), dtype, spec)
+    if not os.path.isdir(spec):
+        raise ConfigError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a "
+                          "local weights directory (with config.json and *.safetensors)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            spec, dtype=torch_dtype, attn_implementation=ATTN_IMPLEMENTATION,
+            local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot load model from {spec!r}: {exc}") from exc
+    return CausalLM(model, dtype, os.path.basename(os.path.normpath(spec)))
