@@ -1,0 +1,390 @@
+"""A client of one store node: gRPC for control, the bulk channel or shared memory for bytes.
+
+One channel per client, reused for every call; every call has a deadline; UNAVAILABLE is
+retried with exponential backoff (every call here is idempotent: blocks are immutable); a
+``grpc.RpcError`` never leaves this module, it becomes the ``kvstore.errors`` class the server
+raised. A fetch either returns whole blocks or raises: a node that dies mid-stream gives
+``NodeUnavailable`` and no partial block.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from kvstore.bulk import BulkClient, count_in
+from kvstore.config import ClientConfig
+from kvstore.errors import (
+    BlockCorrupted,
+    BlockMismatch,
+    BlockNotFound,
+    ConfigError,
+    InvalidRequest,
+    KVStoreError,
+    LeaseExpired,
+    NamespaceMismatch,
+    NodeUnavailable,
+    PoolFull,
+    RequestCancelled,
+    RequestTooLarge,
+    Unauthenticated,
+)
+from kvstore.keys import Namespace
+from kvstore.pool import BlockLocation
+from kvstore.server import AUTH_HEADER, grpc_options, spec_from_namespace
+from protos import kvstore_pb2 as pb
+from protos import kvstore_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+Buffer = bytearray | memoryview | Any  # anything ShmReader / recv_into can write into
+
+_BY_NAME: dict[str, type[KVStoreError]] = {
+    cls.__name__: cls
+    for cls in (BlockCorrupted, BlockMismatch, NamespaceMismatch, BlockNotFound, ConfigError,
+                PoolFull, RequestTooLarge, LeaseExpired, Unauthenticated)
+}
+_BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: RequestTooLarge,
+    grpc.StatusCode.NOT_FOUND: BlockNotFound,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.FAILED_PRECONDITION: LeaseExpired,
+    grpc.StatusCode.DEADLINE_EXCEEDED: RequestCancelled,
+    grpc.StatusCode.CANCELLED: RequestCancelled,
+}
+
+
+def error_from_rpc(exc: grpc.RpcError, address: str) -> KVStoreError:
+    """The kvstore error a failed call stands for (the server sends ``ClassName: message``)."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
+    name = details.split(":", 1)[0]
+    cls = _BY_NAME.get(name) or _BY_CODE.get(code, NodeUnavailable)
+    return cls(f"{address}: {code.name}: {details}")
+
+
+@dataclass(slots=True)
+class LeaseInfo:
+    """A lease a node granted: where the blocks lie in its arena file, until when."""
+
+    lease_id: str
+    locations: list[BlockLocation]
+    missing: list[bytes]
+    expires_at: float
+    shm_path: str
+
+
+@dataclass(slots=True)
+class PutResult:
+    num_stored: int
+    num_existing: int
+
+
+@dataclass(slots=True)
+class NodeStats:
+    node_id: str
+    capacity_bytes: int
+    used_bytes: int
+    num_blocks: int
+    num_leased: int
+    num_pinned: int
+
+
+@dataclass(slots=True)
+class NodeHealth:
+    node_id: str
+    serving: bool
+    grpc_address: str
+    bulk_address: str | None
+    shm_path: str
+
+
+@dataclass(slots=True)
+class HeldBlock:
+    """A block a node holds, with what the index needs to re-announce it."""
+
+    key: bytes
+    nbytes: int
+    parent_key: bytes
+    namespace_root: bytes
+
+
+class StoreNodeClient:
+    """Talks to one store node; thread-safe (gRPC channels and the bulk pool are)."""
+
+    def __init__(self, grpc_address: str, *, bulk_address: str | None = None,
+                 shm_path: str | None = None, same_node: bool = False,
+                 config: ClientConfig | None = None, tls_server_name: str | None = None,
+                 lease_ttl_s: float = 30.0) -> None:
+        self.config = config or ClientConfig()
+        self.address = grpc_address
+        self.same_node = same_node and shm_path is not None
+        self.shm_path = shm_path
+        self.lease_ttl_s = lease_ttl_s
+        cfg = self.config
+        options: list[tuple[str, Any]] = list(grpc_options(cfg.max_message_bytes))
+        if cfg.tls_ca_file:
+            with open(cfg.tls_ca_file, "rb") as f:
+                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+            if tls_server_name:
+                options.append(("grpc.ssl_target_name_override", tls_server_name))
+            self._channel = grpc.secure_channel(grpc_address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(grpc_address, options=options)
+        self._stub = pb_grpc.StoreNodeStub(self._channel)
+        self._metadata = ((AUTH_HEADER, f"Bearer {cfg.auth_token}"),) if cfg.auth_token else None
+        self._chunk = cfg.max_message_bytes - (64 << 10)
+        self._bulk = BulkClient(bulk_address, auth_token=cfg.auth_token,
+                                tls_ca_file=cfg.tls_ca_file, timeout_s=cfg.timeout_s,
+                                server_hostname=tls_server_name) if bulk_address else None
+        self._shm: Any = None
+        self._shm_lock = threading.Lock()
+
+    @property
+    def has_bulk(self) -> bool:
+        """Whether remote reads use the bulk byte channel (else gRPC Get)."""
+        return self._bulk is not None
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run one call with retries on UNAVAILABLE; map every failure to a kvstore error."""
+        delay = 0.05
+        for attempt in range(self.config.retries + 1):
+            try:
+                return fn()
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and attempt < self.config.retries:
+                    time.sleep(delay)
+                    delay *= 2
+                    continue
+                raise error_from_rpc(exc, self.address) from None
+        raise AssertionError("unreachable")
+
+    def _unary(self, method: Any, request: Any) -> Any:
+        return self._call(lambda: method(request, timeout=self.config.timeout_s,
+                                         metadata=self._metadata))
+
+    # -- data -------------------------------------------------------------------------------
+    def put_blocks(self, namespace: Namespace, blocks: Sequence[tuple[bytes, Buffer]]
+                   ) -> PutResult:
+        """Store encoded ``(key, block)`` pairs in one stream; returns once they're visible."""
+        spec = spec_from_namespace(namespace)
+        views = [(bytes(key), memoryview(buf).cast("B")) for key, buf in blocks]
+
+        def messages() -> Iterator[pb.PutChunk]:
+            first = True
+            for key, view in views:
+                total = len(view)
+                for off in range(0, total, self._chunk):
+                    msg = pb.PutChunk(key=key, total_nbytes=total, offset=off,
+                                      data=bytes(view[off : off + self._chunk]))
+                    if first:
+                        msg.namespace.CopyFrom(spec)
+                        first = False
+                    yield msg
+
+        if not views:
+            return PutResult(0, 0)
+        resp = self._call(lambda: self._stub.Put(messages(), timeout=self.config.timeout_s,
+                                                 metadata=self._metadata))
+        return PutResult(resp.num_stored, resp.num_existing)
+
+    def get_blocks(self, keys: Sequence[bytes]) -> list[bytes | bytearray | None]:
+        """Whole encoded blocks (None where the node does not hold the key), in order."""
+        keys = [bytes(k) for k in keys]
+        if self._bulk is not None:
+            out: list[bytes | bytearray | None] = [None] * len(keys)
+
+            def alloc(i: int, nbytes: int) -> memoryview:
+                buf = bytearray(nbytes)
+                out[i] = buf
+                return memoryview(buf)
+
+            sizes = self._bulk.fetch_into(keys, alloc)
+            count_in("bulk", sum(s is not None for s in sizes),
+                     sum(s for s in sizes if s is not None))
+            return [b if s is not None else None for b, s in zip(out, sizes, strict=True)]
+        return self._call(lambda: self._grpc_get(keys))
+
+    def _grpc_get(self, keys: list[bytes]) -> list[bytes | bytearray | None]:
+        found: dict[bytes, bytes | bytearray] = {}
+        partial: dict[bytes, bytearray] = {}
+        stream = self._stub.Get(pb.KeysRequest(keys=keys), timeout=self.config.timeout_s,
+                                metadata=self._metadata)
+        for msg in stream:
+            if not msg.found:
+                continue
+            if msg.offset == 0 and len(msg.data) == msg.total_nbytes:
+                found[msg.key] = msg.data  # the common case: the block in one message
+                continue
+            buf = partial.setdefault(msg.key, bytearray())
+            if msg.offset != len(buf):
+                raise NodeUnavailable(f"{self.address} sent block chunks out of order")
+            buf += msg.data
+            if len(buf) == msg.total_nbytes:
+                found[msg.key] = partial.pop(msg.key)
+        if partial:  # the stream ended inside a block: none of it may be used
+            raise NodeUnavailable(f"{self.address} ended the Get stream inside a block")
+        count_in("grpc", len(found), sum(len(b) for b in found.values()))
+        return [found.get(k) for k in keys]
+
+    def get_blocks_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]
+                        ) -> list[int | None]:
+        """Copy blocks into the caller's buffers; returns each block's size (None: absent).
+
+        Same node: lease, one copy from the holder's shared memory, release. Otherwise the
+        bulk channel (``recv_into`` the buffers), else gRPC.
+        """
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        keys = [bytes(k) for k in keys]
+        if self.same_node:
+            return self._shm_get_into(keys, buffers)
+        if self._bulk is not None:
+            sizes = self._bulk.fetch_into(keys, lambda i, n: _byte_view(buffers[i]))
+            count_in("bulk", sum(s is not None for s in sizes),
+                     sum(s for s in sizes if s is not None))
+            return sizes
+        sizes: list[int | None] = []
+        for data, buf in zip(self._call(lambda: self._grpc_get(keys)), buffers, strict=True):
+            if data is None:
+                sizes.append(None)
+                continue
+            dst = _byte_view(buf)
+            if len(dst) < len(data):
+                raise ValueError(f"buffer of {len(dst)} bytes is too small for a "
+                                 f"{len(data)}-byte block")
+            dst[: len(data)] = data
+            sizes.append(len(data))
+        return sizes
+
+    def _reader(self) -> Any:
+        from kvstore.shm_reader import ShmReader
+
+        with self._shm_lock:
+            if self._shm is None:
+                self._shm = ShmReader(self.shm_path)  # type: ignore[arg-type]
+            return self._shm
+
+    def _shm_get_into(self, keys: list[bytes], buffers: Sequence[Buffer]) -> list[int | None]:
+        lease = self.lease(keys, self.lease_ttl_s)
+        renewer = LeaseRenewer(self, lease.lease_id, self.lease_ttl_s)
+        try:
+            reader = self._reader()
+            where = {loc.key: loc for loc in lease.locations}
+            sizes: list[int | None] = []
+            for key, buf in zip(keys, buffers, strict=True):
+                loc = where.get(key)
+                sizes.append(None if loc is None else reader.copy_into(loc, buf))
+            if renewer.lost:
+                raise LeaseExpired(f"lease {lease.lease_id} on {self.address} ended mid-copy")
+            count_in("shm", len(where), sum(s for s in sizes if s is not None))
+            return sizes
+        finally:
+            renewer.stop()
+            self.release(lease.lease_id)
+
+    # -- leases -----------------------------------------------------------------------------
+    def lease(self, keys: Sequence[bytes], ttl_s: float) -> LeaseInfo:
+        """Pin the held ``keys`` on the node for ``ttl_s`` seconds (absent ones are listed)."""
+        resp = self._unary(self._stub.Lease, pb.LeaseRequest(keys=list(keys), ttl_s=ttl_s))
+        return LeaseInfo(resp.lease_id,
+                         [BlockLocation(loc.key, loc.offset, loc.nbytes) for loc in resp.locations],
+                         list(resp.missing), resp.expires_at, resp.shm_path)
+
+    def renew(self, lease_id: str, ttl_s: float) -> float:
+        """Extend a lease; returns its new wall-clock expiry. LeaseExpired if it already ended."""
+        return self._unary(self._stub.RenewLease,
+                           pb.RenewLeaseRequest(lease_id=lease_id, ttl_s=ttl_s)).expires_at
+
+    def release(self, lease_id: str) -> None:
+        """End a lease (idempotent)."""
+        self._unary(self._stub.ReleaseLease, pb.ReleaseLeaseRequest(lease_id=lease_id))
+
+    # -- admin ------------------------------------------------------------------------------
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return list(self._unary(self._stub.Exists, pb.KeysRequest(keys=list(keys))).present)
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        return self._unary(self._stub.Delete, pb.KeysRequest(keys=list(keys))).num_deleted
+
+    def evict(self, keys: Sequence[bytes]) -> int:
+        """Evict unleased, unpinned blocks among ``keys``; returns the bytes freed."""
+        return self._unary(self._stub.Evict, pb.KeysRequest(keys=list(keys))).bytes_freed
+
+    def stats(self) -> NodeStats:
+        r = self._unary(self._stub.Stats, pb.Empty())
+        return NodeStats(r.node_id, r.capacity_bytes, r.used_bytes, r.num_blocks, r.num_leased,
+                         r.num_pinned)
+
+    def health(self) -> NodeHealth:
+        r = self._unary(self._stub.Health, pb.Empty())
+        return NodeHealth(r.node_id, r.serving, r.grpc_address, r.bulk_address or None,
+                          r.shm_path)
+
+    def list_keys(self, page_size: int = 1024) -> list[HeldBlock]:
+        def run() -> list[HeldBlock]:
+            pages = self._stub.ListKeys(pb.ListKeysRequest(page_size=page_size),
+                                        timeout=self.config.timeout_s, metadata=self._metadata)
+            return [HeldBlock(k.key, k.nbytes, k.parent_key, k.namespace_root)
+                    for page in pages for k in page.keys]
+
+        return self._call(run)
+
+    def close(self) -> None:
+        """Close the channel, idle bulk connections and the shared-memory mapping."""
+        self._channel.close()
+        if self._bulk is not None:
+            self._bulk.close()
+        with self._shm_lock:
+            if self._shm is not None:
+                self._shm.close()
+                self._shm = None
+
+    def __enter__(self) -> StoreNodeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _byte_view(buf: Buffer) -> memoryview:
+    """A writable flat byte view of a bytearray, memoryview, numpy array or CPU tensor."""
+    try:
+        import torch
+
+        if isinstance(buf, torch.Tensor):
+            buf = buf.view(torch.uint8).reshape(-1).numpy()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    view = memoryview(buf)
+    if view.readonly:
+        raise ValueError("destination buffer must be writable")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class LeaseRenewer:
+    """Renews a lease every third of its TTL while a long copy runs."""
+
+    def __init__(self, client: StoreNodeClient, lease_id: str, ttl_s: float) -> None:
+        self.lost = False
+        self._client, self._lease_id, self._ttl = client, lease_id, ttl_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kvstore-renew")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._ttl / 3):
+            try:
+                self._client.renew(self._lease_id, self._ttl)
+            except KVStoreError:
+                self.lost = True
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
