@@ -1,0 +1,205 @@
+"""The KVStore facade over a cluster: the index says where blocks are, clients move them.
+
+``batch_get`` groups keys by holder (the reader's own node first, then any other holder),
+copies each block once into a buffer the caller will own (same node: from the holder's shared
+memory under a lease; other nodes: the bulk channel or gRPC), verifies it against the key and
+tokens asked for, and returns a view into that buffer. Whatever goes wrong with a block or a
+node becomes a ``Miss`` with a reason: a worker recomputes, it never fails or uses wrong KV.
+Same node is decided by node id (the Ray node), not by whether ``/dev/shm`` happens to be
+shared.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvstore import metrics
+from kvstore.api import (
+    MISS_CORRUPTED,
+    MISS_LEASE_EXPIRED,
+    MISS_MISMATCH,
+    MISS_NODE_UNAVAILABLE,
+    MISS_NOT_FOUND,
+    BlockPut,
+    FetchedBlock,
+    Miss,
+    NodeAddress,
+    PrefixHit,
+    TokenIds,
+)
+from kvstore.block import block_nbytes, decode_block, encode_block_into
+from kvstore.client import StoreNodeClient
+from kvstore.config import ClientConfig
+from kvstore.errors import (
+    BlockCorrupted,
+    BlockMismatch,
+    KVStoreError,
+    LeaseExpired,
+    NodeUnavailable,
+)
+from kvstore.index import Index
+from kvstore.keys import Namespace
+
+Directory = Callable[[str], NodeAddress] | Callable[[], Mapping[str, NodeAddress]]
+
+
+class ClusterStore:
+    """A worker's view of the cluster's store nodes (implements ``kvstore.api.KVStore``)."""
+
+    def __init__(self, node_id: str, index: Index, directory: Directory,
+                 config: ClientConfig | None = None, *, local_node_id: str | None = None,
+                 lease_ttl_s: float = 30.0) -> None:
+        """``node_id``: the store node this worker writes to; ``local_node_id``: the Ray
+        node the worker runs on (defaults to ``node_id``), whose arena it may map."""
+        self.node_id = node_id
+        self.local_node_id = local_node_id or node_id
+        self.index = index
+        self.config = config or ClientConfig()
+        self.lease_ttl_s = lease_ttl_s
+        self._resolve = _resolver(directory)
+        self._clients: dict[str, StoreNodeClient] = {}
+        self._lock = threading.Lock()
+
+    # -- the facade -------------------------------------------------------------------------
+    def lookup_prefix(self, namespace: Namespace, keys: Sequence[bytes]) -> PrefixHit:
+        return self.index.lookup_prefix(list(keys))
+
+    def batch_get(self, namespace: Namespace, keys: Sequence[bytes],
+                  token_ids: Sequence[TokenIds]) -> list[FetchedBlock | Miss]:
+        if len(keys) != len(token_ids):
+            raise ValueError(f"{len(keys)} keys but {len(token_ids)} token lists")
+        keys = [bytes(k) for k in keys]
+        results: list[FetchedBlock | Miss | None] = [None] * len(keys)
+        try:
+            holders = self.index.holders(keys)
+        except Exception as exc:  # the index being down is a miss for everyone, not a crash
+            return [Miss(k, MISS_NODE_UNAVAILABLE, f"index: {exc}") for k in keys]
+        # Candidates per key, own node first; a node that fails is dropped for the next round.
+        candidates = [self._order(h) for h in holders]
+        last_miss: dict[int, Miss] = {}
+        while True:
+            groups: dict[str, list[int]] = {}
+            for i, cands in enumerate(candidates):
+                if results[i] is None and cands:
+                    groups.setdefault(cands.pop(0), []).append(i)
+            if not groups:
+                break
+            for node, idxs in groups.items():
+                self._fetch_group(namespace, node, idxs, keys, token_ids, results, last_miss)
+        out: list[FetchedBlock | Miss] = []
+        for i, r in enumerate(results):
+            if r is None:
+                r = last_miss.get(i) or Miss(keys[i], MISS_NOT_FOUND, "no node holds it")
+                metrics.record_miss(r.reason)
+            out.append(r)
+        metrics.record_hits(sum(isinstance(r, FetchedBlock) for r in out))
+        return out
+
+    def batch_put(self, namespace: Namespace, blocks: Sequence[BlockPut]) -> None:
+        if not blocks:
+            return
+        nbytes = block_nbytes(namespace)
+        encoded = []
+        for b in blocks:
+            buf = bytearray(nbytes)
+            encode_block_into(buf, namespace, b.key, b.parent_key, b.token_ids, b.payload)
+            encoded.append((bytes(b.key), buf))
+        self._client(self.node_id).put_blocks(namespace, encoded)
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+
+    # -- internals --------------------------------------------------------------------------
+    def _order(self, holders: Sequence[str]) -> list[str]:
+        own = [h for h in holders if h == self.local_node_id]
+        return own + [h for h in holders if h != self.local_node_id]
+
+    def _client(self, node: str) -> StoreNodeClient:
+        with self._lock:
+            client = self._clients.get(node)
+        if client is not None:
+            return client
+        try:
+            addr = self._resolve(node)
+        except Exception as exc:
+            raise NodeUnavailable(f"node {node[:12]} is not in the directory: {exc}") from exc
+        client = StoreNodeClient(
+            addr.grpc_address, bulk_address=addr.bulk_address, shm_path=addr.shm_path,
+            same_node=node == self.local_node_id, config=self.config,
+            lease_ttl_s=self.lease_ttl_s,
+        )
+        with self._lock:
+            existing = self._clients.setdefault(node, client)
+        if existing is not client:
+            client.close()
+        return existing
+
+    def _drop_client(self, node: str) -> None:
+        with self._lock:
+            client = self._clients.pop(node, None)
+        if client is not None:
+            client.close()
+
+    def _fetch_group(self, namespace: Namespace, node: str, idxs: list[int], keys: list[bytes],
+                     token_ids: Sequence[TokenIds], results: list[Any],
+                     last_miss: dict[int, Miss]) -> None:
+        nbytes = block_nbytes(namespace)
+        # The caller will own these: the returned payloads are views into them (one copy).
+        buffers = [torch.empty(nbytes, dtype=torch.uint8) for _ in idxs]
+        t0 = time.perf_counter()
+        try:
+            client = self._client(node)
+            sizes = client.get_blocks_into([keys[i] for i in idxs], buffers)
+        except LeaseExpired as exc:
+            for i in idxs:
+                last_miss[i] = Miss(keys[i], MISS_LEASE_EXPIRED, str(exc))
+            return
+        except (KVStoreError, OSError, ValueError) as exc:
+            if isinstance(exc, NodeUnavailable):
+                self._drop_client(node)  # reconnect (or re-resolve) next time
+            for i in idxs:
+                last_miss[i] = Miss(keys[i], MISS_NODE_UNAVAILABLE, f"{node[:12]}: {exc}")
+            return
+        path = "shm" if client.same_node else ("bulk" if client.has_bulk else "grpc")
+        metrics.observe_fetch(path, time.perf_counter() - t0)
+        for i, buf, size in zip(idxs, buffers, sizes, strict=True):
+            if size is None:
+                last_miss[i] = Miss(keys[i], MISS_NOT_FOUND, f"{node[:12]} no longer holds it")
+                continue
+            try:
+                payload = decode_block(buf[:size], namespace, keys[i], token_ids[i])
+            except BlockCorrupted as exc:
+                last_miss[i] = Miss(keys[i], MISS_CORRUPTED, f"{node[:12]}: {exc}")
+                metrics.record_rejected(MISS_CORRUPTED)
+                continue
+            except BlockMismatch as exc:
+                last_miss[i] = Miss(keys[i], MISS_MISMATCH, f"{node[:12]}: {exc}")
+                metrics.record_rejected(MISS_MISMATCH)
+                continue
+            results[i] = FetchedBlock(keys[i], payload, node)
+
+
+def _resolver(directory: Directory) -> Callable[[str], NodeAddress]:
+    """Accept ``node_id -> NodeAddress`` or a zero-argument ``() -> {node_id: NodeAddress}``."""
+    try:
+        params = inspect.signature(directory).parameters
+        takes_id = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+                       for p in params.values())
+    except (TypeError, ValueError):
+        takes_id = True
+    if takes_id:
+        return directory  # type: ignore[return-value]
+
+    def resolve(node: str) -> NodeAddress:
+        return directory()[node]  # type: ignore[call-arg]
+
+    return resolve

@@ -1,0 +1,122 @@
+"""ClusterStore over two real store nodes and an in-memory index."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvstore.api import (
+    MISS_CORRUPTED,
+    MISS_MISMATCH,
+    MISS_NODE_UNAVAILABLE,
+    MISS_NOT_FOUND,
+    BlockPut,
+    FetchedBlock,
+    Miss,
+    NodeAddress,
+)
+from kvstore.block import payload_view
+from kvstore.cluster_store import ClusterStore
+from kvstore.config import ClientConfig, ServerConfig
+from kvstore.index import InMemoryIndex
+from kvstore.pool import BlockPool
+from kvstore.server import StoreServer
+from tests.test_server import make_blocks, make_namespace
+
+FAST = ClientConfig(timeout_s=5, retries=1)
+
+
+@pytest.fixture
+def cluster():
+    index = InMemoryIndex()
+    nodes: dict[str, tuple[StoreServer, BlockPool]] = {}
+    directory: dict[str, NodeAddress] = {}
+    for node_id in ("node-a", "node-b"):
+        pool = BlockPool(8 << 20)
+        srv = StoreServer(pool, node_id, ServerConfig(), on_publish=index.publish)
+        srv.start()
+        grpc_addr, bulk_addr = srv.addresses
+        nodes[node_id] = (srv, pool)
+        directory[node_id] = NodeAddress(node_id, grpc_addr, bulk_addr, pool.path)
+    yield index, nodes, directory
+    for srv, pool in nodes.values():
+        srv.stop(0)
+        pool.close()
+
+
+def make_puts(ns, num_blocks: int, seed: int = 0) -> tuple[list[BlockPut], list[list[int]]]:
+    keys, tokens, blocks = make_blocks(ns, num_blocks, seed)
+    parents = [ns.root, *keys[:-1]]
+    puts = [BlockPut(k, p, t, payload_view(b, ns).clone())
+            for k, p, t, b in zip(keys, parents, tokens, blocks, strict=True)]
+    return puts, tokens
+
+
+@pytest.mark.parametrize("reader", ["node-a", "node-b"])  # same node (shm) and remote (bulk)
+def test_put_on_one_node_get_from_either(cluster, reader: str) -> None:
+    index, _, directory = cluster
+    ns = make_namespace()
+    writer = ClusterStore("node-a", index, directory.__getitem__, FAST)
+    puts, tokens = make_puts(ns, 4)
+    writer.batch_put(ns, puts)
+    keys = [p.key for p in puts]
+    hit = writer.lookup_prefix(ns, keys)
+    assert hit.num_blocks == 4 and hit.holders == [["node-a"]] * 4
+    store = ClusterStore(reader, index, lambda: directory, FAST)  # both directory styles work
+    got = store.batch_get(ns, keys, tokens)
+    assert all(isinstance(g, FetchedBlock) and g.node_id == "node-a" for g in got)
+    for g, p in zip(got, puts, strict=True):
+        assert torch.equal(g.payload.view(torch.int16), p.payload.view(torch.int16))  # bitwise
+    store.close()
+    writer.close()
+
+
+def test_every_failure_is_a_miss_with_a_reason(cluster) -> None:
+    index, nodes, directory = cluster
+    ns = make_namespace()
+    store = ClusterStore("node-b", index, directory.__getitem__, FAST)
+    writer = ClusterStore("node-a", index, directory.__getitem__, FAST)
+    puts, tokens = make_puts(ns, 3)
+    writer.batch_put(ns, puts)
+    keys = [p.key for p in puts]
+    # Corrupt block 0 inside node-a's arena (flip the last payload byte).
+    pool_a = nodes["node-a"][1]
+    lease = pool_a.lease([keys[0]], 5)
+    loc = lease.locations[0]
+    fd = os.open(pool_a.path, os.O_RDWR)
+    try:
+        last = loc.offset + loc.nbytes - 1
+        os.pwrite(fd, bytes([os.pread(fd, 1, last)[0] ^ 0xFF]), last)
+    finally:
+        os.close(fd)
+    pool_a.release(lease.lease_id)
+    wrong_tokens = [tokens[0], [t + 1 for t in tokens[1]], tokens[2]]
+    unknown = b"\5" * 32
+    got = store.batch_get(ns, [*keys, unknown], [*wrong_tokens, tokens[0]])
+    assert isinstance(got[0], Miss) and got[0].reason == MISS_CORRUPTED
+    assert isinstance(got[1], Miss) and got[1].reason == MISS_MISMATCH
+    assert isinstance(got[2], FetchedBlock)
+    assert isinstance(got[3], Miss) and got[3].reason == MISS_NOT_FOUND
+    # The same corruption is caught on the same-node path too.
+    same = ClusterStore("node-a", index, directory.__getitem__, FAST)
+    assert same.batch_get(ns, keys[:1], tokens[:1])[0].reason == MISS_CORRUPTED  # type: ignore
+    # A dead node: its blocks become misses, never an exception.
+    nodes["node-a"][0].stop(0)
+    got = store.batch_get(ns, keys[2:], tokens[2:])
+    assert isinstance(got[0], Miss) and got[0].reason == MISS_NODE_UNAVAILABLE
+
+
+def test_falls_back_to_another_holder(cluster) -> None:
+    index, nodes, directory = cluster
+    ns = make_namespace()
+    puts, tokens = make_puts(ns, 2)
+    for node_id in ("node-a", "node-b"):
+        ClusterStore(node_id, index, directory.__getitem__, FAST).batch_put(ns, puts)
+    keys = [p.key for p in puts]
+    assert index.holders(keys) == [["node-a", "node-b"]] * 2
+    nodes["node-a"][0].stop(0)  # the reader's own node dies
+    store = ClusterStore("node-a", index, directory.__getitem__, FAST)
+    got = store.batch_get(ns, keys, tokens)
+    assert [g.node_id for g in got if isinstance(g, FetchedBlock)] == ["node-b", "node-b"]
