@@ -1,0 +1,161 @@
+"""Coordinator: batched LRU touches per second and memory per indexed block, vs plain Python.
+
+Baselines, measured in the same run: an ``OrderedDict`` LRU doing the same touches
+(``move_to_end`` per key) and the same blocks in a plain dict (key -> (holders, nbytes, parent,
+last use)). Also the Ray actor round trip of an empty call and of a heartbeat carrying a batch.
+
+    python benchmarks/bench_coordinator.py [--quick] [--json PATH] [--no-ray]
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import tracemalloc
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import median_of, parse_args, report
+from kvstore.api import NodeAddress
+from kvstore.config import KVStoreConfig
+from kvstore.coordinator_core import CoordinatorCore
+from kvstore.index import IndexEntry, InMemoryIndex
+from kvstore.lru import LRUTable
+from kvstore.pool import PoolStats
+
+BATCH = 1000
+ROOT = bytes(32)
+
+
+def make_keys(n: int, seed: int = 0) -> list[bytes]:
+    raw = np.random.default_rng(seed).bytes(32 * n)
+    return [raw[i * 32:(i + 1) * 32] for i in range(n)]
+
+
+def traced(build: Any) -> tuple[Any, int]:
+    """What ``build()`` leaves allocated, in bytes (tracemalloc)."""
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    obj = build()
+    after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return obj, after - before
+
+
+def build_table(keys: list[bytes]) -> LRUTable:
+    table = LRUTable()
+    for i in range(0, len(keys), 10_000):
+        chunk = keys[i:i + 10_000]
+        table.add(0, chunk, [ROOT, *chunk[:-1]], [1 << 20] * len(chunk), [ROOT] * len(chunk))
+    return table
+
+
+def build_dict(keys: list[bytes]) -> dict[bytes, list[Any]]:
+    # Fresh key copies, as a table fed from the network would hold: its own bytes objects.
+    d: dict[bytes, list[Any]] = {}
+    parent = ROOT
+    for i, k in enumerate(keys):
+        d[bytes(bytearray(k))] = [1, 1 << 20, parent, i]
+        parent = k
+    return d
+
+
+def touch_batches(keys: list[bytes], num_touches: int) -> list[list[bytes]]:
+    idx = np.random.default_rng(1).integers(0, len(keys), num_touches)
+    return [[keys[j] for j in idx[i:i + BATCH]] for i in range(0, num_touches, BATCH)]
+
+
+def bench_core_touches(keys: list[bytes], batches: list[list[bytes]]) -> float:
+    core = CoordinatorCore(KVStoreConfig(), index=InMemoryIndex())
+    entries = [IndexEntry(k, "n0", 1 << 20, ROOT, ROOT) for k in keys]
+    core.register_node("n0", NodeAddress("n0", "n0:1"), 1 << 50, entries)
+    stats = PoolStats(1 << 50, 0, len(keys), 0, 0, 0, 0, 0)
+    t0 = time.perf_counter()
+    for batch in batches:
+        core.heartbeat("n0", stats, batch, {})
+    return sum(map(len, batches)) / (time.perf_counter() - t0)
+
+
+def bench_table_touches(table: LRUTable, batches: list[list[bytes]]) -> float:
+    t0 = time.perf_counter()
+    for batch in batches:
+        table.touch(batch)
+    return sum(map(len, batches)) / (time.perf_counter() - t0)
+
+
+def bench_ordereddict(keys: list[bytes], batches: list[list[bytes]]) -> float:
+    lru: OrderedDict[bytes, int] = OrderedDict((k, 1 << 20) for k in keys)
+    t0 = time.perf_counter()
+    for batch in batches:
+        for k in batch:
+            if k in lru:
+                lru.move_to_end(k)
+    return sum(map(len, batches)) / (time.perf_counter() - t0)
+
+
+def bench_ray(keys: list[bytes], repeats: int) -> dict[str, float]:
+    import ray
+
+    from kvstore.coordinator import Coordinator
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        actor = ray.remote(Coordinator).options(num_cpus=0).remote(KVStoreConfig())
+        entries = [IndexEntry(k, "n0", 1 << 20, ROOT, ROOT) for k in keys[:10_000]]
+        ray.get(actor.register_node.remote("n0", NodeAddress("n0", "n0:1"), 1 << 50, entries))
+        stats = PoolStats(1 << 50, 0, len(entries), 0, 0, 0, 0, 0)
+        batch = keys[:BATCH]
+        ping = median_of(lambda: ray.get(actor.ping.remote()), repeats, warmup=5)
+        beat = median_of(lambda: ray.get(actor.heartbeat.remote("n0", stats, batch, {})),
+                         repeats, warmup=5)
+        return {"ray_call_ms": ping * 1e3, "ray_heartbeat_batch_ms": beat * 1e3,
+                "ray_touches_per_s": BATCH / beat}
+    finally:
+        ray.shutdown()
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
+        "--no-ray", action="store_true", help="skip the actor round-trip measurement"))
+    num_blocks = 100_000 if args.quick else 200_000
+    num_touches = 200_000 if args.quick else 1_000_000
+    keys = make_keys(num_blocks)
+    table, table_bytes = traced(lambda: build_table(keys))
+    _, dict_bytes = traced(lambda: build_dict(keys))
+    ours_b, dict_b = table_bytes / num_blocks, dict_bytes / num_blocks
+    batches = touch_batches(keys, num_touches)
+    table_tps = bench_table_touches(table, batches)
+    core_tps = bench_core_touches(keys, batches)
+    od_tps = bench_ordereddict(keys, batches)
+    figures: dict[str, Any] = {
+        "num_blocks": num_blocks, "num_touches": num_touches, "batch": BATCH,
+        "touches_per_s": core_tps, "table_touches_per_s": table_tps,
+        "ordereddict_touches_per_s": od_tps,
+        "ratio_touches_vs_ordereddict": core_tps / od_tps,
+        "ratio_table_touches_vs_ordereddict": table_tps / od_tps,
+        "index_bytes_per_block": ours_b, "dict_bytes_per_block": dict_b,
+        "ratio_memory_vs_dict": dict_b / ours_b,
+    }
+    rows = [
+        ("blocks indexed", f"{num_blocks:,}", ""),
+        ("touches/s via core heartbeat (LRU + index)", f"{core_tps:,.0f}", ">= 100,000"),
+        ("touches/s, LRU table alone", f"{table_tps:,.0f}", f"OrderedDict {od_tps:,.0f}"),
+        ("ratio core touches vs OrderedDict", f"{core_tps / od_tps:.2f}x", ""),
+        ("LRU table bytes per block", f"{ours_b:.0f}", f"<= 200; dict {dict_b:.0f}"),
+        ("ratio memory vs dict", f"{dict_b / ours_b:.2f}x", ""),
+    ]
+    if not args.no_ray:
+        ray_fig = bench_ray(keys, 50 if args.quick else 300)
+        figures.update(ray_fig)
+        beat_ms = ray_fig["ray_heartbeat_batch_ms"]
+        rows += [("Ray actor call, empty (median)", f"{ray_fig['ray_call_ms']:.2f} ms", ""),
+                 (f"Ray heartbeat with {BATCH} touches", f"{beat_ms:.2f} ms",
+                  f"{ray_fig['ray_touches_per_s']:,.0f} touches/s")]
+    report("coordinator: cluster LRU", rows, figures, args.json)
+
+
+if __name__ == "__main__":
+    main()
