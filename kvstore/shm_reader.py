@@ -8,6 +8,7 @@ is computed over the copy, so what enters the model is exactly what was verified
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 from collections.abc import Sequence
@@ -24,6 +25,9 @@ from kvstore.pool import BlockLocation
 # Copy and hash in pieces small enough to stay in L2, so the hash reads cache-hot bytes and
 # copy + verify costs little more than the copy alone.
 _CHUNK = 256 * 1024
+
+# Namespaces are frozen and few; payload_offset packs a dummy header, so remember it.
+_payload_offset = functools.lru_cache(maxsize=256)(payload_offset)
 
 Buffer = memoryview | bytearray | torch.Tensor | np.ndarray
 
@@ -109,7 +113,7 @@ class ShmReader:
         if out.size < src.size:
             raise ValueError(f"destination of {out.size} bytes is too small for a "
                              f"{src.size}-byte block")
-        start = payload_offset(namespace)
+        start = _payload_offset(namespace)
         end = start + namespace.payload_nbytes
         if src.size < end:
             raise BlockCorrupted(f"block is truncated: {src.size} bytes, expected {end}")
