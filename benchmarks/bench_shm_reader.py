@@ -62,7 +62,8 @@ def main() -> None:
     keys = BlockHasher(namespace).block_keys(tokens)
     gen = torch.Generator().manual_seed(0)
     bs = namespace.block_size
-    blocks = [encode_block(namespace, k, namespace.root, tokens[i * bs:(i + 1) * bs],
+    blocks = [encode_block(namespace, k, keys[i - 1] if i else namespace.root,
+                           tokens[i * bs:(i + 1) * bs],
                            torch.randn(namespace.payload_shape, generator=gen).half())
               for i, k in enumerate(keys)]
     # one destination per block, like a reader filling its paged KV: no cache-hot reuse

@@ -16,6 +16,7 @@ checksum with the bytes; any difference raises, so wrong KV never reaches a mode
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import warnings
 from collections.abc import Sequence
@@ -254,6 +255,9 @@ def verify_block(
         raise BlockMismatch(f"block key {header.key.hex()[:16]} != requested {key.hex()[:16]}")
     if token_ids is not None and header.token_ids != tokens_to_bytes(token_ids):
         raise BlockMismatch(f"block {key.hex()[:16]} holds other tokens than requested")
+    # The key is sha256(parent || tokens): a damaged parent key or token field breaks it.
+    if hashlib.sha256(header.parent_key + header.token_ids).digest() != header.key:
+        raise BlockCorrupted(f"block {key.hex()[:16]} parent key and tokens do not chain to it")
     off = payload_offset(namespace)
     end = off + namespace.payload_nbytes
     if len(view) < end:

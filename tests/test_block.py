@@ -1,0 +1,201 @@
+"""The block codec (design.md §3.2): bitwise round trips, and every damage is caught on read."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.block import (
+    ALIGN,
+    block_nbytes,
+    decode_block,
+    encode_block,
+    encode_block_into,
+    payload_offset,
+    payload_view,
+    read_header,
+    verify_block,
+)
+from kvstore.errors import BlockCorrupted, BlockMismatch, NamespaceMismatch
+from kvstore.keys import BlockHasher, Namespace
+
+DTYPES = ["float16", "bfloat16", "float32", "int8"]
+
+
+def make_namespace(**over: object) -> Namespace:
+    fields: dict[str, object] = dict(model_fingerprint="fp-block-tests", dtype="float16",
+                                     block_size=4, num_layers=2, num_kv_heads=2, head_dim=8)
+    fields.update(over)
+    return Namespace(**fields)  # type: ignore[arg-type]
+
+
+def make_payload(ns: Namespace, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    if ns.dtype == "int8":
+        return torch.randint(-128, 128, ns.payload_shape, dtype=torch.int8, generator=gen)
+    return torch.randn(ns.payload_shape, generator=gen).to(ns.torch_dtype)
+
+
+def make_block(ns: Namespace, tokens: list[int] | None = None, seed: int = 0):
+    """An encoded block with its key, tokens and payload."""
+    tokens = tokens if tokens is not None else list(range(7, 7 + ns.block_size))
+    key = BlockHasher(ns).block_keys(tokens)[0]
+    payload = make_payload(ns, seed)
+    return encode_block(ns, key, ns.root, tokens, payload), key, tokens, payload
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def address(buf: bytearray) -> int:
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_trip_is_bitwise(dtype):
+    ns = make_namespace(dtype=dtype)
+    buf, key, tokens, payload = make_block(ns)
+    assert len(buf) == block_nbytes(ns)
+    got = decode_block(buf, ns, key, tokens)
+    assert got.dtype == ns.torch_dtype and tuple(got.shape) == ns.payload_shape
+    assert torch.equal(bits(got), bits(payload))
+    header = read_header(buf)
+    assert header.key == key and header.parent_key == ns.root
+    assert header.token_list() == tokens
+
+
+def test_special_float_values_survive():
+    ns = make_namespace(dtype="float32")
+    payload = make_payload(ns)
+    payload.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -0.0, -float("inf")])
+    tokens = [1, 2, 3, 4]
+    key = BlockHasher(ns).block_keys(tokens)[0]
+    buf = encode_block(ns, key, ns.root, tokens, payload)
+    assert torch.equal(bits(decode_block(buf, ns, key, tokens)), bits(payload))
+
+
+def test_payload_is_aligned_and_block_size_is_fixed_per_namespace():
+    ns = make_namespace()
+    assert payload_offset(ns) % ALIGN == 0
+    a = make_block(ns, tokens=[0, 0, 0, 0])[0]
+    b = make_block(ns, tokens=[2**62, -1, 123456789, 5])[0]
+    assert len(a) == len(b) == block_nbytes(ns)
+
+
+def test_decode_is_a_view_into_the_buffer():
+    ns = make_namespace()
+    buf, key, tokens, _ = make_block(ns)
+    got = decode_block(buf, ns, key, tokens)
+    start = address(buf)
+    assert start + payload_offset(ns) == got.data_ptr()
+    assert got.data_ptr() + ns.payload_nbytes <= start + len(buf)
+    buf[payload_offset(ns)] ^= 0xFF  # a write to the buffer shows through the view
+    assert bits(got).reshape(-1)[0] == buf[payload_offset(ns)]
+
+
+def test_encode_into_a_caller_bytearray_with_room_to_spare():
+    ns = make_namespace(dtype="bfloat16")
+    tokens = [5, 6, 7, 8]
+    key = BlockHasher(ns).block_keys(tokens)[0]
+    payload = make_payload(ns)
+    buf = bytearray(block_nbytes(ns) + 100)
+    assert encode_block_into(buf, ns, key, ns.root, tokens, payload) == block_nbytes(ns)
+    assert torch.equal(bits(decode_block(buf, ns, key, tokens)), bits(payload))
+    assert buf == encode_block(ns, key, ns.root, tokens, payload) + bytearray(100)
+
+
+def test_encode_into_a_tensor_and_decode_from_it():
+    ns = make_namespace(dtype="int8")
+    tokens = [9, 9, 9, 9]
+    key = BlockHasher(ns).block_keys(tokens)[0]
+    payload = make_payload(ns).transpose(2, 3).contiguous().transpose(2, 3)  # strided source
+    arena = torch.zeros(2 * block_nbytes(ns), dtype=torch.uint8)
+    slot = arena[block_nbytes(ns):]
+    encode_block_into(slot, ns, key, ns.root, tokens, payload)
+    got = decode_block(slot, ns, key, tokens)
+    assert torch.equal(got, payload)
+    assert got.data_ptr() == slot.data_ptr() + payload_offset(ns)
+    assert int(arena[: block_nbytes(ns)].count_nonzero()) == 0  # wrote only its slot
+    assert torch.equal(payload_view(slot, ns), got)
+
+
+def test_decode_from_read_only_bytes():
+    ns = make_namespace()
+    buf, key, tokens, payload = make_block(ns)
+    assert torch.equal(bits(decode_block(bytes(buf), ns, key, tokens)), bits(payload))
+
+
+@pytest.mark.parametrize("where", [0, 1, 64, -1])
+def test_flipped_payload_byte_is_corruption(where):
+    ns = make_namespace()
+    buf, key, tokens, _ = make_block(ns)
+    off = payload_offset(ns)
+    pos = off + where if where >= 0 else len(buf) - 1
+    buf[pos] ^= 0x01
+    with pytest.raises(BlockCorrupted, match="checksum"):
+        decode_block(buf, ns, key, tokens)
+    verify_block(buf, ns, key, tokens, verify_checksum=False)  # only the checksum sees it
+
+
+def test_every_flipped_header_byte_is_rejected():
+    ns = make_namespace()
+    buf, key, tokens, _ = make_block(ns)
+    header_end = 4 + int.from_bytes(buf[:4], "little")
+    for pos in range(header_end):
+        for flip in (0x01, 0x80, 0xFF):
+            bad = bytearray(buf)
+            bad[pos] ^= flip
+            with pytest.raises((BlockCorrupted, BlockMismatch)):
+                decode_block(bad, ns, key, tokens)
+
+
+def test_wrong_tokens_or_key_is_a_mismatch():
+    ns = make_namespace()
+    buf, key, tokens, _ = make_block(ns)
+    with pytest.raises(BlockMismatch, match="other tokens"):
+        decode_block(buf, ns, key, [tokens[0] + 1, *tokens[1:]])
+    other_key = BlockHasher(ns).block_keys([0, 0, 0, 0])[0]
+    with pytest.raises(BlockMismatch, match="key"):
+        decode_block(buf, ns, other_key, tokens)
+
+
+@pytest.mark.parametrize(
+    "over",
+    [{"cache_salt": "other-tenant"}, {"model_fingerprint": "other-model"},
+     {"num_layers": 3}, {"head_dim": 16}, {"dtype": "bfloat16"}, {"schema_version": 2}],
+)
+def test_other_namespace_or_layout_is_a_namespace_mismatch(over):
+    ns = make_namespace()
+    buf, key, tokens, _ = make_block(ns)
+    with pytest.raises(NamespaceMismatch):
+        decode_block(buf, make_namespace(**over), key, tokens)
+
+
+@pytest.mark.parametrize("keep", [0, 3, 10, "payload_start", "last_byte"])
+def test_truncated_buffer_is_corruption(keep):
+    ns = make_namespace()
+    buf, key, tokens, _ = make_block(ns)
+    cut = {"payload_start": payload_offset(ns), "last_byte": len(buf) - 1}.get(keep, keep)
+    with pytest.raises(BlockCorrupted):
+        decode_block(bytes(buf[:cut]), ns, key, tokens)
+
+
+def test_encode_rejects_bad_input_with_a_reason():
+    ns = make_namespace()
+    tokens = [1, 2, 3, 4]
+    key = BlockHasher(ns).block_keys(tokens)[0]
+    payload = make_payload(ns)
+    with pytest.raises(ValueError, match="payload shape"):
+        encode_block(ns, key, ns.root, tokens, payload[:1])
+    with pytest.raises(ValueError, match="payload dtype"):
+        encode_block(ns, key, ns.root, tokens, payload.float())
+    with pytest.raises(ValueError, match="exactly 4 tokens"):
+        encode_block(ns, key, ns.root, tokens[:3], payload)
+    with pytest.raises(ValueError, match="32-byte"):
+        encode_block(ns, key[:16], ns.root, tokens, payload)
+    with pytest.raises(ValueError, match="too small"):
+        encode_block_into(bytearray(100), ns, key, ns.root, tokens, payload)
+    with pytest.raises(ValueError, match="writable"):
+        encode_block_into(bytes(block_nbytes(ns)), ns, key, ns.root, tokens, payload)
