@@ -192,9 +192,11 @@ class CoordinatorCore:
                 target = stats.used_bytes - int(self.cfg.low_watermark * cap)
                 evict += self.lru.plan(node.slot, target, list(node.ordered.union(evict)))
             node.ordered.update(evict)
-            replicate = [ReplicateOrder(keys, self.nodes.nodes[src].address)
-                         for src, keys in node.pending_replicate.items()
-                         if src in self.nodes.nodes and self.nodes.nodes[src].address]
+            replicate = []
+            for src_id, keys in node.pending_replicate.items():
+                src = self.nodes.get(src_id)
+                if src is not None and src.address is not None:
+                    replicate.append(ReplicateOrder(keys, src.address))
             node.pending_replicate = {}
             self.metrics["evict_orders"] += len(evict)
             return HeartbeatReply(self.epoch, evict, replicate,
