@@ -246,10 +246,9 @@ class StoreNodeClient:
         if self.same_node:
             return self._shm_get_into(keys, buffers)
         if self._bulk is not None:
-            sizes = self._bulk.fetch_into(keys, lambda i, n: _byte_view(buffers[i]))
-            count_in("bulk", sum(s is not None for s in sizes),
-                     sum(s for s in sizes if s is not None))
-            return sizes
+            got = self._bulk.fetch_into(keys, lambda i, n: _byte_view(buffers[i]))
+            count_in("bulk", sum(s is not None for s in got), sum(s for s in got if s is not None))
+            return got
         sizes: list[int | None] = []
         for data, buf in zip(self._call(lambda: self._grpc_get(keys)), buffers, strict=True):
             if data is None:

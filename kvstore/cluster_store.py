@@ -200,6 +200,6 @@ def _resolver(directory: Directory) -> Callable[[str], NodeAddress]:
         return directory  # type: ignore[return-value]
 
     def resolve(node: str) -> NodeAddress:
-        return directory()[node]  # type: ignore[call-arg]
+        return directory()[node]  # type: ignore[call-arg,index]
 
     return resolve
