@@ -263,3 +263,12 @@ def test_timeout_raises_request_cancelled(model):
 def test_bad_prompts_are_config_errors(model, prompt, match):
     with pytest.raises(ConfigError, match=match):
         Engine(model, LocalStore(), make_config()).prefill(prompt)
+
+
+def test_decode_without_a_prefill_computes_the_first_token(model):
+    store = LocalStore()
+    prompt = make_prompt(96, seed=13)
+    Engine(model, store, make_config()).prefill(prompt)
+    dec = Engine(model, store, make_config()).decode(prompt, None, sampling=SAMPLING)
+    assert dec.fetched_tokens == 64 and dec.recomputed_tokens == 32
+    assert dec.output_token_ids == reference(model, prompt)[2]

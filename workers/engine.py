@@ -304,17 +304,22 @@ class Engine:
 
     # -- decode -----------------------------------------------------------------------------
 
-    def decode(self, token_ids: TokenIds, first_token: int, *, tail: TailKV | None = None,
+    def decode(self, token_ids: TokenIds, first_token: int | None, *,
+               tail: TailKV | None = None,
                request_id: str = "decode", sampling: SamplingParams | None = None,
                use_cache: bool = True, return_logits: bool = False) -> DecodeResult:
-        """Fetch the prompt's KV, recompute what is missing, and generate after ``first_token``."""
+        """Fetch the prompt's KV, recompute what is missing, and generate after ``first_token``.
+
+        ``first_token=None`` (a decode job without a prefill in front) recomputes the last
+        chunk at least, and picks the first token from its logits.
+        """
         sampling = sampling or SamplingParams()
         deadline = self._begin(request_id)
         try:
             t0 = time.perf_counter()
             tokens = self._tokens(token_ids)
             n, bs, chunk = len(tokens), self.block_size, self.chunk_tokens
-            whole = n // chunk * chunk
+            whole = n // chunk * chunk if first_token is not None else (n - 1) // chunk * chunk
             keys = self.hasher.block_keys(tokens[:whole])
             fetch = self._fetch(tokens, keys, len(keys) if use_cache else 0)
             resume = len(fetch.payloads) * bs
@@ -337,7 +342,10 @@ class Engine:
             with self._lock:
                 self._active[request_id] = cache
             have = n if use_tail else resume
-            self._run_chunks(tokens, have, cache, request_id, deadline)
+            last = self._run_chunks(tokens, have, cache, request_id, deadline)
+            if first_token is None:
+                assert last is not None
+                first_token = pick_token(last, sampling, 0)
             t_ready = time.perf_counter()
             out, logits = self._continue(cache, first_token, sampling, request_id, deadline,
                                          return_logits)

@@ -1,0 +1,30 @@
+"""``DecodeWorker``: a Ray actor that fetches a prompt's blocks and generates (request flow 3)."""
+
+from __future__ import annotations
+
+import ray
+
+from kvstore.api import TokenIds
+from workers.engine import DecodeResult, SamplingParams, TailKV
+from workers.prefill import Replica
+
+
+class DecodeReplica(Replica):
+    """Reassembles the prompt's KV from the store (plus the prefill's private tail), generates."""
+
+    def decode(self, token_ids: TokenIds, first_token: int, request_id: str,
+               tail: TailKV | None = None, sampling: SamplingParams | None = None,
+               use_cache: bool = True, return_logits: bool = False) -> DecodeResult:
+        return self.engine.decode(token_ids, first_token, tail=tail, request_id=request_id,
+                                  sampling=sampling, use_cache=use_cache,
+                                  return_logits=return_logits)
+
+    def generate(self, token_ids: TokenIds, request_id: str,
+                 sampling: SamplingParams | None = None, use_cache: bool = True) -> DecodeResult:
+        """Prefill and decode here, on local KV (the ``--no-cache`` reference path)."""
+        _, dec = self.engine.generate(token_ids, request_id=request_id, sampling=sampling,
+                                      use_cache=use_cache)
+        return dec
+
+
+DecodeWorker = ray.remote(num_cpus=0, max_concurrency=4)(DecodeReplica)

@@ -1,0 +1,163 @@
+"""A deployment of prefill and decode replicas over one store, in-process or on Ray.
+
+Jobs, the demo and the end-to-end benchmark all drive requests through ``Deployment``: the
+router picks a prefill replica, the prefill publishes and returns the first token and its
+private tail, a decode replica fetches and generates. ``inprocess`` mode shares one LocalStore
+between replicas in this process (tests, and runs without Ray); ``ray`` mode runs replicas as
+actors on the kvstore cluster, starting an embedded one when none is running.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvstore.api import TokenIds
+from kvstore.config import KVStoreConfig
+from kvstore.errors import ConfigError, NodeUnavailable
+from kvstore.keys import BlockHasher
+from kvstore.local import LocalStore
+from workers.decode import DecodeReplica, DecodeWorker
+from workers.engine import DecodeResult, PrefillResult, SamplingParams
+from workers.prefill import PrefillReplica, PrefillWorker, cluster_store_factory
+from workers.router import ReplicaSlot, Router
+
+MODES = ("ray", "inprocess")
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One finished request, as jobs print it."""
+
+    id: str
+    output_token_ids: list[int]
+    cached_tokens: int
+    num_prompt_tokens: int
+    ttft_s: float
+    bytes_fetched: int
+    sources: dict[str, int]
+    decode_tokens_per_s: float
+    prefill_replica: str = ""
+    text: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id, "output_token_ids": self.output_token_ids,
+            "cached_tokens": self.cached_tokens, "num_prompt_tokens": self.num_prompt_tokens,
+            "ttft_s": round(self.ttft_s, 6), "bytes_fetched": self.bytes_fetched,
+            "sources": self.sources, "prefill_replica": self.prefill_replica,
+        }
+        if self.text is not None:
+            out["text"] = self.text
+        return out
+
+
+class Deployment:
+    """``num_prefill`` prefill and ``num_decode`` decode replicas behind a router."""
+
+    def __init__(self, config: KVStoreConfig, *, num_prefill: int = 1, num_decode: int = 1,
+                 mode: str = "inprocess", address: str | None = None) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
+        if num_prefill < 1 or num_decode < 1:
+            raise ConfigError("--prefill-replicas and --decode-replicas must be >= 1")
+        self.config = config
+        self.mode = mode
+        self.started_cluster = False
+        self._ids = itertools.count()
+        if mode == "inprocess":
+            self.store: Any = LocalStore()
+            self.prefills: list[Any] = [PrefillReplica(config, lambda: self.store, f"prefill-{i}")
+                                        for i in range(num_prefill)]
+            self.decodes: list[Any] = [DecodeReplica(config, lambda: self.store, f"decode-{i}")
+                                       for i in range(num_decode)]
+            node_ids = [p.node_id() for p in self.prefills]
+        else:
+            import ray
+
+            from kvstore import cluster
+
+            cluster.ensure_ray(address)
+            try:
+                cluster.coordinator_handle()
+            except NodeUnavailable:  # nothing running: the embedded default
+                cluster.start(config)
+                self.started_cluster = True
+            self.store = cluster.connect(config)
+            factory = cluster_store_factory(config)
+            self.prefills = [PrefillWorker.remote(config, factory, f"prefill-{i}")
+                             for i in range(num_prefill)]
+            self.decodes = [DecodeWorker.remote(config, factory, f"decode-{i}")
+                            for i in range(num_decode)]
+            node_ids = ray.get([p.node_id.remote() for p in self.prefills])
+        self.namespace = self._call(self.prefills[0], "namespace")
+        self.vocab_size: int = self._call(self.prefills[0], "vocab_size")
+        self.router = Router(self.store, BlockHasher(self.namespace),
+                             [ReplicaSlot(f"prefill-{i}", node)
+                              for i, node in enumerate(node_ids)])
+
+    def _call(self, replica: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.mode == "inprocess":
+            return getattr(replica, method)(*args, **kwargs)
+        import ray
+
+        return ray.get(getattr(replica, method).remote(*args, **kwargs))
+
+    def prefill(self, token_ids: TokenIds, sampling: SamplingParams, *, use_cache: bool = True,
+                request_id: str | None = None) -> tuple[PrefillResult, int]:
+        """Prefill on the router's choice; returns the result and the replica index."""
+        rid = request_id or f"req-{next(self._ids)}"
+        index = self.router.choose(token_ids)
+        try:
+            return self._call(self.prefills[index], "prefill", token_ids, rid, sampling,
+                              use_cache), index
+        finally:
+            self.router.done(index)
+
+    def decode(self, token_ids: TokenIds, first_token: int | None, sampling: SamplingParams, *,
+               tail: Any = None, use_cache: bool = True, request_id: str | None = None,
+               replica: int = 0) -> DecodeResult:
+        rid = request_id or f"req-{next(self._ids)}"
+        return self._call(self.decodes[replica % len(self.decodes)], "decode", token_ids,
+                          first_token, rid, tail, sampling, use_cache)
+
+    def generate(self, request_id: str, token_ids: TokenIds, sampling: SamplingParams, *,
+                 use_cache: bool = True, decode_replica: int = 0) -> RequestOutput:
+        """The disaggregated path; ``use_cache=False`` runs locally with the store bypassed."""
+        if not use_cache:
+            pre, index = self.prefill(token_ids, sampling, use_cache=False)
+            dec = self._call(self.decodes[decode_replica % len(self.decodes)], "generate",
+                             token_ids, f"{request_id}-nocache", sampling, False)
+        else:
+            pre, index = self.prefill(token_ids, sampling, request_id=f"{request_id}-p")
+            dec = self.decode(token_ids, pre.first_token, sampling, tail=pre.tail,
+                              request_id=f"{request_id}-d", replica=decode_replica)
+        return RequestOutput(
+            id=request_id, output_token_ids=dec.output_token_ids,
+            cached_tokens=pre.cached_tokens, num_prompt_tokens=pre.num_prompt_tokens,
+            ttft_s=pre.ttft_s, bytes_fetched=pre.bytes_fetched + dec.bytes_fetched,
+            sources=_merge(pre.sources, dec.sources),
+            decode_tokens_per_s=dec.decode_tokens_per_s, prefill_replica=f"prefill-{index}")
+
+    def close(self) -> None:
+        """Stop the replicas (and the embedded cluster if this deployment started it)."""
+        if self.mode == "inprocess":
+            self.store.close()
+            return
+        import ray
+
+        from kvstore import cluster
+
+        for actor in self.prefills + self.decodes:
+            ray.kill(actor)
+        if self.started_cluster:
+            cluster.stop(self.config)
+
+
+def _merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out.get(k, 0) + v
+    return out
