@@ -155,6 +155,9 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, "worker.block_size must be > 0")
+        _check(self.dtype in ("float16", "bfloat16", "float32", "int8"),
+               f"worker.dtype {self.dtype!r} is not supported; use float16, bfloat16, float32 "
+               "or int8")
         _check(self.prefill_chunk_tokens > 0 and self.prefill_chunk_tokens % self.block_size == 0,
                f"worker.prefill_chunk_tokens ({self.prefill_chunk_tokens}) must be a positive "
                f"multiple of worker.block_size ({self.block_size})")

@@ -1,0 +1,154 @@
+"""Config loading: defaults < YAML < KVSTORE_* environment < overrides, and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvstore.config import (
+    ClientConfig,
+    CoordinatorConfig,
+    KVStoreConfig,
+    PoolConfig,
+    WorkerConfig,
+    load_config,
+    parse_size,
+)
+from kvstore.errors import ConfigError
+
+
+def write_yaml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kvstore.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("1.5GiB", 3 * 2**29), ("64KiB", 65536),
+     ("4GB", 4 * 10**9), ("4 gib", 4 * 2**30), ("1073741824", 2**30), ("10B", 10),
+     (123, 123), ("2TiB", 2 * 2**40)],
+)
+def test_parse_size(text, want):
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("text", ["lots", "4XB", "-1GiB", "GiB", "", "4 GiB extra"])
+def test_parse_size_rejects_non_sizes(text):
+    with pytest.raises(ConfigError, match="not a size"):
+        parse_size(text)
+
+
+def test_defaults_without_file_or_environment():
+    cfg = load_config(env={})
+    assert cfg == KVStoreConfig()
+    assert cfg.pool.capacity_bytes == 1 << 30
+    assert cfg.index.backend == "memory"
+
+
+def test_precedence_defaults_yaml_env_overrides(tmp_path):
+    path = write_yaml(tmp_path, """
+pool:
+  capacity_bytes: 2GiB
+server:
+  port: 7000
+  max_workers: 4
+client:
+  timeout_s: 5
+""")
+    env = {"KVSTORE_SERVER_PORT": "7100", "KVSTORE_POOL_CAPACITY_BYTES": "3GiB",
+           "UNRELATED": "x"}
+    cfg = load_config(path, env=env, overrides={"server": {"max_workers": 2, "port": None}})
+    assert cfg.pool.capacity_bytes == 3 * 2**30      # env beats YAML
+    assert cfg.server.port == 7100                   # env beats YAML; a None override is unset
+    assert cfg.server.max_workers == 2               # override beats YAML
+    assert cfg.client.timeout_s == 5.0               # YAML beats default
+    assert cfg.client.retries == ClientConfig().retries  # default stays
+
+
+def test_environment_values_are_coerced(tmp_path):
+    env = {
+        "KVSTORE_SERVER_METRICS_PORT": "9100",
+        "KVSTORE_SERVER_AUTH_TOKEN": "none",
+        "KVSTORE_CLIENT_TIMEOUT_S": "2.5",
+        "KVSTORE_CLIENT_MAX_MESSAGE_BYTES": "8MiB",
+        "KVSTORE_COORDINATOR_HIGH_WATERMARK": "0.95",
+        "KVSTORE_INDEX_BACKEND": "redis",
+        "KVSTORE_INDEX_REDIS_URL": "redis://127.0.0.1:1/0",
+    }
+    cfg = load_config(env=env)
+    assert cfg.server.metrics_port == 9100
+    assert cfg.server.auth_token is None
+    assert cfg.client.timeout_s == 2.5
+    assert cfg.client.max_message_bytes == 8 * 2**20
+    assert cfg.coordinator.high_watermark == 0.95
+    assert cfg.index.redis_url == "redis://127.0.0.1:1/0"
+
+
+def test_yaml_sizes_are_parsed(tmp_path):
+    path = write_yaml(tmp_path, "server:\n  max_message_bytes: 16MiB\n")
+    assert load_config(path, env={}).server.max_message_bytes == 16 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [("pool:\n  capacity: 4GiB\n", "capacity"),
+     ("poool:\n  capacity_bytes: 4GiB\n", "poool"),
+     ("server:\n  prot: 1\n", "prot")],
+)
+def test_unknown_keys_are_errors_that_name_them(tmp_path, text, names):
+    with pytest.raises(ConfigError, match=names):
+        load_config(write_yaml(tmp_path, text), env={})
+
+
+@pytest.mark.parametrize(
+    ("source", "setting"),
+    [
+        ({"KVSTORE_SERVER_PORT": "abc"}, "server.port"),
+        ({"KVSTORE_SERVER_PORT": "70000"}, "server.port"),
+        ({"KVSTORE_CLIENT_TIMEOUT_S": "soon"}, "client.timeout_s"),
+        ({"KVSTORE_CLIENT_TIMEOUT_S": "0"}, "client.timeout_s"),
+        ({"KVSTORE_POOL_CAPACITY_BYTES": "lots"}, "pool.capacity_bytes"),
+        ({"KVSTORE_POOL_CAPACITY_BYTES": "0"}, "pool.capacity_bytes"),
+        ({"KVSTORE_POOL_SHM_DIR": "/no/such/dir"}, "pool.shm_dir"),
+        ({"KVSTORE_SERVER_MAX_MESSAGE_BYTES": "1KiB"}, "server.max_message_bytes"),
+        ({"KVSTORE_SERVER_TLS_CERT_FILE": "/tmp/cert.pem"}, "server.tls_key_file"),
+        ({"KVSTORE_INDEX_BACKEND": "etcd"}, "index.backend"),
+        ({"KVSTORE_INDEX_BACKEND": "redis"}, "index.redis_url"),
+        ({"KVSTORE_COORDINATOR_LOW_WATERMARK": "0.95"}, "low_watermark"),
+        ({"KVSTORE_COORDINATOR_HEARTBEAT_INTERVAL_S": "20"}, "heartbeat_interval_s"),
+        ({"KVSTORE_WORKER_PREFILL_CHUNK_TOKENS": "100"}, "worker.prefill_chunk_tokens"),
+        ({"KVSTORE_WORKER_BLOCK_SIZE": "0"}, "worker.block_size"),
+        ({"KVSTORE_WORKER_DTYPE": "float64"}, "worker.dtype"),
+    ],
+)
+def test_invalid_values_name_the_setting(source, setting):
+    with pytest.raises(ConfigError, match=setting):
+        load_config(env=source)
+
+
+def test_invalid_yaml_value_names_the_setting(tmp_path):
+    path = write_yaml(tmp_path, "server:\n  max_workers: [1, 2]\n")
+    with pytest.raises(ConfigError, match="server.max_workers"):
+        load_config(path, env={})
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "pool: 5\n"])
+def test_yaml_that_is_not_a_mapping_is_an_error(tmp_path, text):
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(write_yaml(tmp_path, text), env={})
+
+
+def test_missing_file_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "absent.yaml", env={})
+
+
+def test_dataclasses_validate_when_built_directly():
+    assert PoolConfig(capacity_bytes="1MiB").capacity_bytes == 2**20  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="watermark"):
+        CoordinatorConfig(high_watermark=1.5)
+    with pytest.raises(ConfigError, match="worker.num_threads"):
+        WorkerConfig(num_threads=0)
+    assert isinstance(ConfigError("x"), ValueError)  # callers may catch ValueError
