@@ -1,0 +1,77 @@
+"""The worker subcommands through the real ``kvstore`` parser, in-process (no Ray)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvstore.cli import main
+
+FLAGS = ["--in-process", "--model", "tiny", "--block-size", "16", "--chunk-tokens", "32",
+         "--max-new-tokens", "4", "--json"]
+
+
+def make_prompt(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 512, (n,), generator=g).tolist()
+
+
+def write_prompts(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def run(capsys, *argv: str) -> tuple[int, list[dict]]:
+    rc = main(list(argv))
+    out = capsys.readouterr().out
+    return rc, [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def test_generate_cached_equals_no_cache(tmp_path, capsys):
+    system = make_prompt(64, seed=1)
+    prompts = write_prompts(tmp_path / "p.jsonl", [
+        {"id": f"q{i}", "token_ids": system + make_prompt(10 + i, seed=5 + i)} for i in range(3)
+    ] + [{"id": "text", "text": "hello kvstore"}])
+    rc, cached = run(capsys, "generate", "--prompts", prompts, "--prefill-replicas", "2",
+                     *FLAGS, "--output", str(tmp_path / "out.jsonl"))
+    assert rc == 0
+    rc, ref = run(capsys, "generate", "--prompts", prompts, "--no-cache", *FLAGS)
+    assert rc == 0
+    assert [r["output_token_ids"] for r in cached] == [r["output_token_ids"] for r in ref]
+    assert [r["cached_tokens"] for r in cached] == [0, 64, 64, 0]
+    assert all(len(r["output_token_ids"]) == 4 and "sources" in r and "ttft_s" in r
+               for r in cached)
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 4
+
+
+def test_prefill_then_decode_jobs(tmp_path, capsys):
+    prompts = write_prompts(tmp_path / "p.jsonl",
+                            [{"id": "a", "token_ids": make_prompt(70, seed=3)}])
+    rc, pre = run(capsys, "prefill", "--prompts", prompts, *FLAGS)
+    assert rc == 0 and len(pre[0]["output_token_ids"]) == 1
+    rc, dec = run(capsys, "decode", "--prompts", prompts, *FLAGS)
+    assert rc == 0 and len(dec[0]["output_token_ids"]) == 4
+
+
+def test_demo_json_in_process(capsys):
+    rc, rows = run(capsys, "demo", *FLAGS, "--system-tokens", "96", "--requests", "2",
+                   "--suffix-tokens", "10")
+    assert rc == 0
+    (fig,) = rows
+    assert fig["outputs_match"] is True and fig["hit_rate"] > 0.8 and fig["bytes_fetched"] > 0
+    assert fig["cold_ttft_s"] > 0 and fig["warm_ttft_s"] > 0
+
+
+@pytest.mark.parametrize("line, match", [
+    ("not json", "not JSON"),
+    ('{"id": 1}', "exactly one of"),
+    ('{"id": 1, "token_ids": ["a"]}', "list of ints"),
+    ('{"id": 1, "token_ids": [999999]}', "vocabulary"),
+])
+def test_bad_prompt_files_exit_2_with_a_message(tmp_path, capsys, line, match):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    assert main(["generate", "--prompts", str(path), *FLAGS]) == 2
+    assert match in capsys.readouterr().err

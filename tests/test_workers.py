@@ -1,0 +1,114 @@
+"""Router, replicas and the deployment: in-process first, then real Ray actors on the cluster."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.api import PrefixHit
+from kvstore.config import KVStoreConfig, WorkerConfig
+from kvstore.errors import ConfigError
+from kvstore.keys import BlockHasher
+from workers.engine import Engine, SamplingParams
+from workers.model import load_model
+from workers.router import ReplicaSlot, Router
+from workers.serving import Deployment
+
+SAMPLING = SamplingParams(max_new_tokens=5)
+
+
+def make_config() -> KVStoreConfig:
+    return KVStoreConfig(worker=WorkerConfig(model="tiny", block_size=16,
+                                             prefill_chunk_tokens=32))
+
+
+def make_prompt(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 512, (n,), generator=g).tolist()
+
+
+class FakeIndex:
+    """An index that reports fixed holders per block (the router only reads lookups)."""
+
+    node_id = "router"
+
+    def __init__(self, holders: list[list[str]]) -> None:
+        self.holders = holders
+
+    def lookup_prefix(self, namespace, keys):
+        n = min(len(keys), len(self.holders))
+        return PrefixHit(n, self.holders[:n])
+
+
+def make_router(holders, nodes) -> Router:
+    hasher = BlockHasher(load_model("tiny").namespace(16))
+    return Router(FakeIndex(holders), hasher, [ReplicaSlot(f"r{i}", n)
+                                               for i, n in enumerate(nodes)])
+
+
+def test_router_prefers_the_node_holding_the_prefix():
+    router = make_router([["b"], ["b", "a"], ["b"]], ["a", "b", "c"])
+    assert router.choose(make_prompt(64)) == 1
+
+
+def test_router_weighs_load_against_overlap():
+    router = make_router([["b"]] * 3, ["a", "b"])
+    router.replicas[1].in_flight = 1  # 3 blocks of overlap < 8 blocks per queued request
+    assert router.choose(make_prompt(64)) == 0
+    router.done(0)
+    router.replicas[1].in_flight = 0
+    assert router.choose(make_prompt(64)) == 1
+
+
+def test_router_spreads_equal_scores_round_robin():
+    router = make_router([], ["a", "a", "a"])
+    picks = []
+    for _ in range(3):
+        i = router.choose(make_prompt(20))
+        router.done(i)
+        picks.append(i)
+    assert sorted(picks) == [0, 1, 2]
+
+
+def test_inprocess_deployment_reuses_and_matches_no_cache():
+    dep = Deployment(make_config(), num_prefill=2, num_decode=2)
+    system = make_prompt(64, seed=1)
+    outs = [dep.generate(f"r{i}", system + make_prompt(20, seed=10 + i), SAMPLING,
+                         decode_replica=i) for i in range(3)]
+    assert [o.cached_tokens for o in outs] == [0, 64, 64]
+    assert {o.prefill_replica for o in outs} == {"prefill-0", "prefill-1"}
+    model = load_model("tiny")
+    for i, o in enumerate(outs):
+        _, ref = Engine(model, None, make_config().worker).generate(
+            system + make_prompt(20, seed=10 + i), sampling=SAMPLING)
+        assert o.output_token_ids == ref.output_token_ids
+    dep.close()
+
+
+def test_deployment_rejects_bad_settings():
+    with pytest.raises(ConfigError, match="replicas"):
+        Deployment(make_config(), num_prefill=0)
+    with pytest.raises(ConfigError, match="mode"):
+        Deployment(make_config(), mode="k8s")
+
+
+@pytest.mark.ray
+def test_ray_actors_share_blocks_across_replicas(ray_local):
+    from kvstore import cluster
+
+    config = make_config()
+    dep = Deployment(config, num_prefill=2, num_decode=1, mode="ray")
+    try:
+        system = make_prompt(96, seed=2)
+        outs = [dep.generate(f"r{i}", system + make_prompt(9, seed=20 + i), SAMPLING)
+                for i in range(2)]
+        refs = [dep.generate(f"n{i}", system + make_prompt(9, seed=20 + i), SAMPLING,
+                             use_cache=False) for i in range(2)]
+    finally:
+        dep.close()
+        if not dep.started_cluster:
+            cluster.stop(config)
+    assert outs[0].cached_tokens == 0 and outs[1].cached_tokens == 96
+    assert outs[0].prefill_replica != outs[1].prefill_replica
+    assert outs[1].bytes_fetched > 0 and sum(outs[1].sources.values()) > 0
+    assert [o.output_token_ids for o in outs] == [r.output_token_ids for r in refs]
