@@ -114,6 +114,19 @@ def _row_view(x: torch.Tensor, outer: int, inner: int) -> tuple[torch.Tensor, in
     return view, ratio
 
 
+def _segment_ids(lens: torch.Tensor, total: int) -> torch.Tensor:
+    """Segment id of each of ``total`` items laid out as consecutive runs of ``lens``.
+
+    Built from marks at the segment starts plus a cumsum, not ``repeat_interleave``: on CPU
+    the latter (like advanced indexing) parallelises even tiny inputs and stalls for
+    milliseconds when the other cores are busy; index_add_/cumsum/index_select stay serial.
+    """
+    starts = torch.cumsum(lens, 0)[:-1]  # where segments 1.. begin (== total if empty tail)
+    marks = torch.zeros(total + 1, dtype=torch.int64, device=lens.device)
+    marks.index_add_(0, starts, torch.ones_like(starts))
+    return torch.cumsum(marks[:total], 0)
+
+
 # ----------------------------------------------------------------------------- scatter
 
 
@@ -177,16 +190,15 @@ def kv_cache_scatter(
     # Token k of sequence i goes to position k - starts[i] + offs[i] - lens[i].
     starts = torch.cumsum(lens, 0) - lens
     token = torch.arange(ntokens, device=past.device)
-    seq = torch.repeat_interleave(torch.arange(batch, device=past.device), lens,
-                                  output_size=ntokens)
+    seq = _segment_ids(lens, ntokens)
     rows = _row_view(dst, 0, 1)
     if rows is None:
-        pos = token + (offs - lens - starts)[seq]
+        pos = token + (offs - lens - starts).index_select(0, seq)
         dst.index_put_((seq, pos), new_kv)
         return past
     view, ratio = rows
     base = torch.arange(batch, device=past.device) * ratio + offs - lens - starts
-    view.index_copy_(0, token + base[seq], new_kv)
+    view.index_copy_(0, token + base.index_select(0, seq), new_kv)
     return past
 
 
@@ -353,13 +365,12 @@ def paged_cache_load(
     num_units = num_tokens // unit
 
     # Unit k of sequence i is position t = k - out_start[i] + starts[i] of that sequence.
-    seq = torch.repeat_interleave(torch.arange(batch, device=device), lens_u,
-                                  output_size=num_units)
+    seq = _segment_ids(lens_u, num_units)
     out_start = torch.cumsum(lens_u, 0) - lens_u
-    t = torch.arange(num_units, device=device) + (starts_u - out_start)[seq]
+    t = torch.arange(num_units, device=device) + (starts_u - out_start).index_select(0, seq)
     pos = torch.div(t, bs_u, rounding_mode="floor")
     slot = t - pos * bs_u
-    b = table.reshape(-1)[seq * width + pos] if table.is_contiguous() else table[seq, pos]
+    b = table.reshape(-1).index_select(0, seq * width + pos)
     bad = (b < 0) | (b >= num_blocks)
     if bool(bad.any()):
         k = int(bad.nonzero()[0, 0])
