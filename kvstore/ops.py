@@ -282,7 +282,7 @@ def paged_cache_load(
     num_blocks = key_cache.shape[0]
     if layout == "ND":
         slot_dim = 1
-        same = ((0, "num_blocks"), (1, "block_size"), (2, "num_heads"))
+        same: tuple[tuple[int, str], ...] = ((0, "num_blocks"), (1, "block_size"), (2, "num_heads"))
     else:
         if cumsum or seq_starts is not None:
             raise ValueError("layout='NZ' supports neither cumsum=True nor seq_starts")
