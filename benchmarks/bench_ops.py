@@ -13,16 +13,21 @@ disturbs both alike. Ratios are baseline time / our time: higher is better, 1.0 
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from benchmarks.common import parse_args, report
-from kvstore.keys import BlockHasher, Namespace
-from kvstore.ops import kv_cache_scatter, paged_cache_load
+if not __package__:  # run as `python benchmarks/bench_ops.py`: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import parse_args, report  # noqa: E402
+from kvstore.keys import BlockHasher, Namespace  # noqa: E402
+from kvstore.ops import kv_cache_scatter, paged_cache_load  # noqa: E402
 
 BLOCK_SIZE, NUM_HEADS, HEAD_SIZE = 16, 16, 128  # 64 KiB per block per cache in float16
 NUM_LOADED_BLOCKS = 1000
