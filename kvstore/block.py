@@ -16,6 +16,7 @@ checksum with the bytes; any difference raises, so wrong KV never reaches a mode
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 import warnings
@@ -101,8 +102,12 @@ def _header_for(
     )
 
 
+@functools.lru_cache(maxsize=256)
 def payload_offset(namespace: Namespace) -> int:
-    """Byte offset of the payload: fixed for a namespace because every header field is."""
+    """Byte offset of the payload: fixed for a namespace because every header field is.
+
+    Cached: readers call it per block and it packs a dummy header to measure itself.
+    """
     dummy = _header_for(
         namespace, b"\0" * KEY_NBYTES, b"\0" * KEY_NBYTES, b"\0" * (8 * namespace.block_size),
         b"\0" * 8,
@@ -110,6 +115,7 @@ def payload_offset(namespace: Namespace) -> int:
     return _align(_LEN.size + len(dummy.pack()))
 
 
+@functools.lru_cache(maxsize=256)
 def block_nbytes(namespace: Namespace) -> int:
     """Total encoded size of one block of ``namespace``."""
     return payload_offset(namespace) + namespace.payload_nbytes

@@ -8,7 +8,6 @@ is computed over the copy, so what enters the model is exactly what was verified
 
 from __future__ import annotations
 
-import functools
 import mmap
 import os
 from collections.abc import Sequence
@@ -26,8 +25,6 @@ from kvstore.pool import BlockLocation
 # copy + verify costs little more than the copy alone.
 _CHUNK = 256 * 1024
 
-# Namespaces are frozen and few; payload_offset packs a dummy header, so remember it.
-_payload_offset = functools.lru_cache(maxsize=256)(payload_offset)
 
 Buffer = memoryview | bytearray | torch.Tensor | np.ndarray
 
@@ -113,7 +110,7 @@ class ShmReader:
         if out.size < src.size:
             raise ValueError(f"destination of {out.size} bytes is too small for a "
                              f"{src.size}-byte block")
-        start = _payload_offset(namespace)
+        start = payload_offset(namespace)
         end = start + namespace.payload_nbytes
         if src.size < end:
             raise BlockCorrupted(f"block is truncated: {src.size} bytes, expected {end}")
