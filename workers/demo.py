@@ -32,7 +32,8 @@ def run_demo(args: argparse.Namespace, config: KVStoreConfig) -> int:
     console.print(f"[bold]kvstore demo[/]: model {config.worker.model}, system prompt "
                   f"{args.system_tokens} tokens, {args.requests} requests")
     dep = Deployment(config, num_prefill=2, num_decode=1,
-                     mode="inprocess" if args.in_process else "ray", address=args.address)
+                     mode="inprocess" if args.in_process else "ray", address=args.address,
+                     own_ray=True)
     try:
         vocab = dep.vocab_size
         system = make_tokens(args.system_tokens, 1, vocab)

@@ -4,12 +4,14 @@ Jobs, the demo and the end-to-end benchmark all drive requests through ``Deploym
 router picks a prefill replica, the prefill publishes and returns the first token and its
 private tail, a decode replica fetches and generates. ``inprocess`` mode shares one LocalStore
 between replicas in this process (tests, and runs without Ray); ``ray`` mode runs replicas as
-actors on the kvstore cluster, starting an embedded one when none is running.
+actors on the kvstore cluster, starting an embedded one when none is running (``own_ray``:
+on a private local Ray instance, as the demo does).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +60,8 @@ class Deployment:
     """``num_prefill`` prefill and ``num_decode`` decode replicas behind a router."""
 
     def __init__(self, config: KVStoreConfig, *, num_prefill: int = 1, num_decode: int = 1,
-                 mode: str = "inprocess", address: str | None = None) -> None:
+                 mode: str = "inprocess", address: str | None = None,
+                 own_ray: bool = False) -> None:
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
         if num_prefill < 1 or num_decode < 1:
@@ -66,6 +69,7 @@ class Deployment:
         self.config = config
         self.mode = mode
         self.started_cluster = False
+        self.started_ray = False
         self._ids = itertools.count()
         if mode == "inprocess":
             self.store: Any = LocalStore()
@@ -79,6 +83,12 @@ class Deployment:
 
             from kvstore import cluster
 
+            if own_ray and address is None and not ray.is_initialized():
+                # A private local Ray: never attach to someone else's cluster by accident.
+                ray.init(address="local", namespace=cluster.RAY_NAMESPACE,
+                         include_dashboard=False,
+                         logging_level=logging.WARNING, log_to_driver=False)
+                self.started_ray = True
             cluster.ensure_ray(address)
             try:
                 cluster.coordinator_handle()
@@ -154,6 +164,8 @@ class Deployment:
             ray.kill(actor)
         if self.started_cluster:
             cluster.stop(self.config)
+        if self.started_ray:
+            ray.shutdown()
 
 
 def _merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
