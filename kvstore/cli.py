@@ -124,10 +124,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     table = Table(title="kvstore nodes")
     for col in ("node id", "alive", "capacity", "used", "use", "blocks", "hit rate", "evictions"):
-        table.add_column(col, justify="left" if col == "node id" else "right")
+        table.add_column(col, justify="left" if col == "node id" else "right", no_wrap=True)
     for n in status["nodes"]:
         use = n["used_bytes"] / n["capacity_bytes"] if n["capacity_bytes"] else 0.0
-        table.add_row(n["node_id"][:16], "yes" if n.get("alive", True) else "no",
+        table.add_row(n["node_id"][:12], "yes" if n.get("alive", True) else "no",
                       _size(n["capacity_bytes"]), _size(n["used_bytes"]), f"{use:.0%}",
                       str(n["blocks"]), _ratio(n["hits"], n["misses"]), str(n["evictions"]))
     console.print(table)

@@ -13,6 +13,7 @@ import contextlib
 import glob
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -57,6 +58,26 @@ def arena_name(node_id: str) -> str:
     return f"{ARENA_PREFIX}{node_id[:16]}-{os.getpid()}"
 
 
+def _running_cluster_address() -> str | None:
+    """RAY_ADDRESS, else the cluster `ray start` last brought up on this machine, else None."""
+    from ray._private import services  # Ray's own resolution of "auto"
+
+    try:
+        return services.canonicalize_bootstrap_address("auto")
+    except Exception:  # no address file, unreadable, or malformed: treat as none running
+        return None
+
+
+def _answers(address: str, timeout_s: float = 3.0) -> bool:
+    """Whether anything accepts TCP at ``host:port`` (Ray itself retries for minutes)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def ensure_ray(address: str | None = None, *, start_local: bool = True) -> None:
     """Connect this process to Ray: ``address``, else a running cluster, else a local one."""
     if ray.is_initialized():
@@ -66,18 +87,19 @@ def ensure_ray(address: str | None = None, *, start_local: bool = True) -> None:
         "logging_level": logging.WARNING,
         "log_to_driver": False,
     }
-    if address is not None:
-        ray.init(address=address, **kwargs)
-        return
-    try:
-        ray.init(address="auto", **kwargs)
-    except ConnectionError:
+    target = _running_cluster_address() if address in (None, "auto") else address
+    if target is None:
         if not start_local:
             raise NodeUnavailable(
                 "no running Ray cluster found: run `ray start --head` first, or pass "
                 "--address / set RAY_ADDRESS"
-            ) from None
+            )
         ray.init(**kwargs)
+        return
+    if not target.startswith("ray://") and not _answers(target):
+        raise NodeUnavailable(f"no Ray cluster answers at {target}: check --address / "
+                              "RAY_ADDRESS, or run `ray start --head`")
+    ray.init(address=target, **kwargs)
 
 
 def _alive_node_ids() -> list[str]:
@@ -90,12 +112,16 @@ def _pinned(node_id: str, *, soft: bool = False) -> NodeAffinitySchedulingStrate
 
 def coordinator_handle() -> Any:
     """The running coordinator actor; raises NodeUnavailable when the cluster is not started."""
-    try:
-        return ray.get_actor(COORDINATOR_NAME, namespace=RAY_NAMESPACE)
-    except ValueError:
-        raise NodeUnavailable(
-            "the kvstore coordinator is not running on this Ray cluster: run `kvstore start`"
-        ) from None
+    # A busy GCS can fail a name lookup transiently: retry briefly before saying "not running".
+    for attempt in range(3):
+        try:
+            return ray.get_actor(COORDINATOR_NAME, namespace=RAY_NAMESPACE)
+        except ValueError:
+            if attempt < 2:
+                time.sleep(1.0)
+    raise NodeUnavailable(
+        "the kvstore coordinator is not running on this Ray cluster: run `kvstore start`"
+    )
 
 
 def _start_coordinator(config: KVStoreConfig) -> Any:
@@ -195,10 +221,8 @@ def connect(config: KVStoreConfig | None = None, *, address: str | None = None) 
     index = make_index(config.index) if config.index.backend == "redis" else CoordinatorIndex(
         coordinator)
     return ClusterStore(
-        index=index,
-        directory=lambda: ray.get(coordinator.directory.remote()),
-        node_id=node_id,
-        config=config.client,
+        node_id, index, lambda: ray.get(coordinator.directory.remote()), config.client,
+        local_node_id=node_id, lease_ttl_s=config.coordinator.lease_ttl_s,
     )
 
 
