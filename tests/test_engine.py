@@ -272,3 +272,24 @@ def test_decode_without_a_prefill_computes_the_first_token(model):
     dec = Engine(model, store, make_config()).decode(prompt, None, sampling=SAMPLING)
     assert dec.fetched_tokens == 64 and dec.recomputed_tokens == 32
     assert dec.output_token_ids == reference(model, prompt)[2]
+
+
+def test_an_unreachable_store_degrades_to_recompute(model):
+    from kvstore.errors import NodeUnavailable
+
+    class Down(HolderGone):
+        def lookup_prefix(self, namespace, keys):
+            raise NodeUnavailable("index down")
+
+        def batch_get(self, namespace, keys, token_ids):
+            raise NodeUnavailable("holder down")
+
+        def batch_put(self, namespace, blocks):
+            raise NodeUnavailable("holder down")
+
+    prompt = make_prompt(80, seed=14)
+    engine = Engine(model, Down(LocalStore(), 0), make_config())
+    pre, dec = disaggregated(engine, engine, prompt, tail=False)
+    assert pre.cached_tokens == 0 and pre.num_published_blocks == 0
+    assert dec.recomputed_tokens == 80
+    assert_same(model, prompt, pre, dec)

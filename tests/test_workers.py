@@ -112,3 +112,54 @@ def test_ray_actors_share_blocks_across_replicas(ray_local):
     assert outs[0].prefill_replica != outs[1].prefill_replica
     assert outs[1].bytes_fetched > 0 and sum(outs[1].sources.values()) > 0
     assert [o.output_token_ids for o in outs] == [r.output_token_ids for r in refs]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.ray
+def test_ray_job_submit_generate_on_a_local_head(tmp_path):
+    """``ray job submit --working-dir . -- kvstore generate``, against a private Ray head."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    gcs, dash = _free_port(), _free_port()
+    # --block keeps the head in one process group that this test owns and ends by id.
+    head = subprocess.Popen(
+        ["ray", "start", "--head", "--block", f"--port={gcs}", "--include-dashboard=true",
+         f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=2",
+         f"--temp-dir={tmp_path / 'ray'}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text("".join(json.dumps({"id": f"q{i}", "token_ids": make_prompt(
+            80, seed=1)[:70] + [i] * 5}) + "\n" for i in range(2)))
+        deadline = time.monotonic() + 90
+        cmd = ["ray", "job", "submit", f"--address=http://127.0.0.1:{dash}",
+               f"--working-dir={repo}", "--", "kvstore", "generate", "--prompts", str(prompts),
+               "--model", "tiny", "--block-size", "16", "--chunk-tokens", "32",
+               "--max-new-tokens", "3", "--json"]
+        while True:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                                  env={**os.environ, "RAY_ADDRESS": ""})
+            if proc.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(3)  # the job server comes up a little after the head
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        rows = [json.loads(line) for line in proc.stdout.splitlines()
+                if line.startswith('{"id"')]
+        assert [r["cached_tokens"] for r in rows] == [0, 64]
+        assert all(len(r["output_token_ids"]) == 3 for r in rows)
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from kvstore.api import BlockPut, FetchedBlock, KVStore, TokenIds
+from kvstore.api import MISS_NODE_UNAVAILABLE, BlockPut, FetchedBlock, KVStore, TokenIds
 from kvstore.config import WorkerConfig
-from kvstore.errors import ConfigError, RequestCancelled
+from kvstore.errors import ConfigError, KVStoreError, RequestCancelled
 from kvstore.keys import BlockHasher
 from workers.model import CausalLM
 from workers.paged_kv import gather_blocks, scatter_blocks
@@ -195,8 +195,13 @@ class Engine:
         fetch = _Fetch([], {}, 0, [])
         if num_blocks == 0 or self.store is None:
             return fetch
-        results = self.store.batch_get(self.namespace, keys[:num_blocks],
-                                       [self._block_tokens(tokens, i) for i in range(num_blocks)])
+        try:
+            results = self.store.batch_get(
+                self.namespace, keys[:num_blocks],
+                [self._block_tokens(tokens, i) for i in range(num_blocks)])
+        except KVStoreError as exc:  # the store is a cache: losing it means recomputing
+            fetch.misses.append(f"{MISS_NODE_UNAVAILABLE}: {exc}")
+            return fetch
         for r in results:
             if not isinstance(r, FetchedBlock):
                 fetch.misses.append(r.reason)
@@ -210,6 +215,13 @@ class Engine:
             assert isinstance(r, FetchedBlock)
             fetch.sources[r.node_id] = fetch.sources.get(r.node_id, 0) + 1
         return fetch
+
+    def _lookup(self, keys: Sequence[bytes]) -> int:
+        assert self.store is not None
+        try:
+            return self.store.lookup_prefix(self.namespace, keys).num_blocks
+        except KVStoreError:  # an unreachable index is a cold start, not a failed request
+            return 0
 
     def _run_chunks(self, tokens: list[int], start: int, cache: DynamicCache,
                     request_id: str, deadline: float) -> torch.Tensor | None:
@@ -243,7 +255,7 @@ class Engine:
         n, bs, chunk = len(tokens), self.block_size, self.chunk_tokens
         keys = self.hasher.block_keys(tokens)
         use_store = use_cache and self.store is not None
-        hit = self.store.lookup_prefix(self.namespace, keys).num_blocks if use_store else 0
+        hit = self._lookup(keys) if use_store else 0
         # The last chunk always runs (its logits give the first token), so never resume at n.
         max_resume = (n - 1) // chunk * chunk
         fetch = self._fetch(tokens, keys, min(hit, max_resume // bs))
@@ -272,9 +284,12 @@ class Engine:
                          self.model.export_blocks(cache, first_new * bs,
                                                   published_end // bs - first_new, bs),
                          start=first_new)]
-            if puts:
-                self.store.batch_put(self.namespace, puts)
-            num_new = len(puts)
+            try:
+                if puts:
+                    self.store.batch_put(self.namespace, puts)
+                num_new = len(puts)
+            except KVStoreError as exc:  # this request is served; later ones recompute
+                fetch.misses.append(f"publish failed: {exc}")
         tail = (TailKV(published_end, self.model.export_kv(cache, published_end, n))
                 if published_end < n else None)
         t_end = time.perf_counter()

@@ -195,7 +195,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Run each ``benchmarks/bench_*.py`` as a script (they print their own tables)."""
+    """Run each ``benchmarks/bench_*.py`` (they print their own tables)."""
     root = Path(__file__).resolve().parents[1] / "benchmarks"
     scripts = sorted(root.glob("bench_*.py"))
     if args.names:
@@ -205,7 +205,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise ConfigError(f"no benchmarks found in {root} (names: {args.names or 'all'})")
     failed = 0
     for script in scripts:
-        cmd = [sys.executable, str(script)] + (["--quick"] if args.quick else [])
+        # As modules from the repository root: benchmarks import benchmarks.common.
+        cmd = [sys.executable, "-m", f"benchmarks.{script.stem}"]
+        cmd += ["--quick"] if args.quick else []
         if args.json_dir:
             cmd += ["--json", str(Path(args.json_dir) / f"{script.stem}.json")]
         err.print(f"[bold]{script.stem}[/]")
