@@ -148,11 +148,15 @@ def _wait_for_head(env: dict[str, str], head: subprocess.Popen[bytes]) -> None:
 
 def _kill_head(head: subprocess.Popen[bytes], temp_dir: str) -> None:
     """SIGTERM the head's process group, then any straggler that names our temp dir."""
-    try:
-        os.killpg(head.pid, signal.SIGTERM)
-        head.wait(timeout=30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
+    for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(head.pid, sig)
+            head.wait(timeout=wait_s)
+            break
+        except ProcessLookupError:
+            break
+        except subprocess.TimeoutExpired:
+            continue
     for pid in _pids_mentioning(temp_dir):
         try:
             os.kill(pid, signal.SIGKILL)

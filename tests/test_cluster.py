@@ -1,0 +1,387 @@
+"""The cluster on a real multi-node Ray: placement, round trips, eviction, faults, a short soak.
+
+One ``ray.cluster_utils.Cluster`` (a head and one more node, each a real raylet) per module;
+kvstore is started on it with small pools (8 MiB) and fast heartbeats so faults show in seconds.
+References are the payloads the test itself wrote, compared bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kvstore import cluster
+from kvstore.api import BlockPut, FetchedBlock, Miss
+from kvstore.block import block_nbytes
+from kvstore.client import StoreNodeClient
+from kvstore.config import KVStoreConfig, load_config
+from kvstore.errors import KVStoreError, PoolFull
+from kvstore.keys import BlockHasher, Namespace
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
+
+NS = Namespace("test-cluster-model", "float32", 16, 2, 2, 64)
+BLOCK = block_nbytes(NS)  # 33088 bytes: ~250 blocks fill an 8 MiB pool
+CAPACITY = 8 << 20
+
+
+def make_config(**index: str) -> KVStoreConfig:
+    return load_config(env={}, overrides={
+        "pool": {"capacity_bytes": CAPACITY},
+        "coordinator": {"heartbeat_interval_s": 0.2, "node_timeout_s": 2.0,
+                        "high_watermark": 0.9, "low_watermark": 0.6, "lease_ttl_s": 2.0},
+        "index": dict(index),
+    })
+
+
+@pytest.fixture(scope="module")
+def ray_nodes() -> Iterator[list[str]]:
+    """A head and a second Ray node; yields their node ids (head first)."""
+    from ray.cluster_utils import Cluster
+
+    saved = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # the same mode for every process we start
+    # tests/conftest.py's session ``ray_local`` is single-node: set it aside for a multi-node
+    # cluster and bring an equivalent one back afterwards for the modules that follow.
+    had_ray_local = ray.is_initialized()
+    if had_ray_local:
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace=cluster.RAY_NAMESPACE, log_to_driver=False)
+    head = ray.get_runtime_context().get_node_id()
+    ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    try:
+        yield [head] + [i for i in ids if i != head]
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        if had_ray_local:
+            ray.init(num_cpus=2, include_dashboard=False, namespace="kvstore-tests")
+        if saved is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = saved
+
+
+@pytest.fixture(scope="module")
+def kv(ray_nodes: list[str]) -> Iterator[KVStoreConfig]:
+    config = make_config()
+    cluster.start(config)
+    try:
+        yield config
+    finally:
+        cluster.stop(config)
+
+
+def reader(config: KVStoreConfig, node_id: str):  # noqa: ANN201 - a ClusterStore
+    """A ClusterStore that reads and writes as if it ran on Ray node ``node_id``."""
+    cfg = load_config(env={}, overrides={"client": {"node_id": node_id}})
+    cfg.coordinator, cfg.index, cfg.pool = config.coordinator, config.index, config.pool
+    return cluster.connect(cfg)
+
+
+@dataclass(slots=True)
+class Chain:
+    keys: list[bytes]
+    tokens: list[list[int]]
+    payloads: list[torch.Tensor]
+
+    def puts(self) -> list[BlockPut]:
+        parents = [NS.root] + self.keys[:-1]
+        return [BlockPut(k, p, t, x) for k, p, t, x in
+                zip(self.keys, parents, self.tokens, self.payloads, strict=True)]
+
+
+_chain_ids = iter(range(1, 1 << 30))
+
+
+def make_chain(num_blocks: int) -> Chain:
+    """A fresh token chain (never seen before in this module) with random KV."""
+    cid = next(_chain_ids)
+    g = torch.Generator().manual_seed(cid)
+    tokens = [[cid * 100_000 + b * NS.block_size + t for t in range(NS.block_size)]
+              for b in range(num_blocks)]
+    keys = BlockHasher(NS).block_keys([t for blk in tokens for t in blk])
+    payloads = [torch.randn(NS.payload_shape, generator=g) for _ in range(num_blocks)]
+    return Chain(list(keys), tokens, payloads)
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 15.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def store_actor(node_id: str):  # noqa: ANN201 - an actor handle
+    return ray.get_actor(cluster.store_actor_name(node_id), namespace=cluster.RAY_NAMESPACE)
+
+
+def pool_keys(node_id: str) -> set[bytes]:
+    return set(ray.get(store_actor(node_id).keys.remote()))
+
+
+def assert_round_trip(store, chain: Chain) -> None:  # noqa: ANN001
+    hit = store.lookup_prefix(NS, chain.keys)
+    assert hit.num_blocks == len(chain.keys)
+    got = store.batch_get(NS, chain.keys, chain.tokens)
+    for r, want in zip(got, chain.payloads, strict=True):
+        assert isinstance(r, FetchedBlock), r
+        assert torch.equal(r.payload.view(torch.int32), want.view(torch.int32))  # bitwise
+
+
+# -- placement and the data path --------------------------------------------------------------
+
+def test_one_store_node_per_ray_node(kv: KVStoreConfig, ray_nodes: list[str]) -> None:
+    directory = ray.get(cluster.coordinator_handle().directory.remote())
+    assert set(directory) == set(ray_nodes)
+    for node_id in ray_nodes:
+        addr = ray.get(store_actor(node_id).ping.remote())
+        assert addr == directory[node_id]
+    info = cluster.start(kv)  # idempotent: finds the running cluster
+    assert set(info.nodes) == set(ray_nodes)
+
+
+def test_put_on_one_node_read_bitwise_from_both(kv: KVStoreConfig, ray_nodes: list[str]) -> None:
+    a, b = ray_nodes
+    writer, remote, local = reader(kv, a), reader(kv, b), reader(kv, a)
+    chain = make_chain(6)
+    writer.batch_put(NS, chain.puts())
+    hit = remote.lookup_prefix(NS, chain.keys + [make_chain(1).keys[0]])
+    assert hit.num_blocks == 6 and hit.holders == [[a]] * 6
+    assert_round_trip(remote, chain)  # other node: bulk/gRPC
+    assert_round_trip(local, chain)  # same Ray node: shared memory
+    wrong = [list(t) for t in chain.tokens]
+    wrong[2][0] += 1
+    got = remote.batch_get(NS, chain.keys, wrong)
+    assert isinstance(got[2], Miss) and got[2].reason == "mismatch"
+    for s in (writer, remote, local):
+        s.close()
+
+
+def test_eviction_to_low_watermark_lru_children_first_keeps_leased_and_pinned(
+        kv: KVStoreConfig, ray_nodes: list[str]) -> None:
+    node = ray_nodes[1]
+    store, other = reader(kv, node), reader(kv, ray_nodes[0])
+    coordinator = cluster.coordinator_handle()
+    base = len(pool_keys(node))
+    chains = [make_chain(18) for _ in range(13)]
+    for ch in chains[:12]:  # 216 blocks: just under the high watermark
+        store.batch_put(NS, ch.puts())
+    assert (base + 216) * BLOCK < 0.9 * CAPACITY < (base + 234) * BLOCK
+    pinned, leased = chains[0].keys[0], chains[3].keys[0]
+    assert ray.get(coordinator.pin.remote([pinned], hard=True, ttl_s=None)) == 1
+    addr = ray.get(coordinator.directory.remote())[node]
+    client = StoreNodeClient(addr.grpc_address, config=kv.client)
+    lease = client.lease([leased], ttl_s=120)
+    assert_round_trip(other, chains[1])  # chain 1 becomes the most recently used of the twelve
+    time.sleep(0.6)  # the touches travel with the next heartbeats
+    store.batch_put(NS, chains[12].puts())  # crosses the high watermark
+
+    def used() -> int:
+        return ray.get(store_actor(node).stats.remote()).used_bytes
+
+    wait_for(lambda: used() <= 0.9 * CAPACITY, what="eviction below the high watermark")
+    time.sleep(1.0)  # let every order of this round be executed
+    held = pool_keys(node)
+    # Down to the low watermark, give or take the leased block the node refused to evict.
+    assert 0.6 * CAPACITY - 20 * BLOCK <= used() <= 0.6 * CAPACITY + 2 * BLOCK
+    assert pinned in held and leased in held
+    assert all(k in held for k in chains[1].keys)  # recently used
+    assert all(k in held for k in chains[-1].keys)  # newest
+    assert not any(k in held for k in chains[2].keys)  # oldest unprotected chain went first
+    assert held.isdisjoint(chains[0].keys[1:])  # the pinned head stays, its children do not
+    for ch in chains:  # children before parents: what is left of a chain is a prefix of it
+        present = [k in held for k in ch.keys]
+        assert present == sorted(present, reverse=True), present
+    client.release(lease.lease_id)
+    client.close()
+    ray.get(coordinator.unpin.remote([pinned]))
+    store.close()
+    other.close()
+
+
+def test_lease_of_a_dead_reader_expires(kv: KVStoreConfig, ray_nodes: list[str]) -> None:
+    node = ray_nodes[0]
+    store = reader(kv, node)
+    chain = make_chain(2)
+    store.batch_put(NS, chain.puts())
+    addr = ray.get(cluster.coordinator_handle().directory.remote())[node]
+
+    @ray.remote(max_retries=0, num_cpus=0)
+    def lease_and_die(grpc_address: str, keys: list[bytes]) -> None:
+        StoreNodeClient(grpc_address).lease(keys, ttl_s=2.0)
+        os._exit(1)  # dies holding the lease, never releases it
+
+    strategy = NodeAffinitySchedulingStrategy(node, soft=False)
+    with pytest.raises(ray.exceptions.RayError):
+        ray.get(lease_and_die.options(scheduling_strategy=strategy).remote(
+            addr.grpc_address, chain.keys))
+    client = StoreNodeClient(addr.grpc_address, config=kv.client)
+    assert client.evict(chain.keys[:1]) == 0  # leased: the eviction order is skipped
+    time.sleep(2.5)
+    assert client.evict(chain.keys[:1]) > 0  # the lease expired by itself
+    client.close()
+    store.close()
+
+
+# -- faults -----------------------------------------------------------------------------------
+
+def test_killed_store_node_leaves_index_readers_miss(kv: KVStoreConfig,
+                                                     ray_nodes: list[str]) -> None:
+    a, b = ray_nodes
+    writer, rdr = reader(kv, b), reader(kv, a)
+    chain = make_chain(4)
+    writer.batch_put(NS, chain.puts())
+    assert rdr.lookup_prefix(NS, chain.keys).num_blocks == 4
+    ray.kill(store_actor(b), no_restart=True)
+    got = rdr.batch_get(NS, chain.keys, chain.tokens)  # never raises: misses, then recompute
+    assert all(isinstance(r, (Miss, FetchedBlock)) for r in got)
+    wait_for(lambda: rdr.lookup_prefix(NS, chain.keys).num_blocks == 0, 10,
+             "the dead node's keys to leave the index")
+    assert all(isinstance(r, Miss) for r in rdr.batch_get(NS, chain.keys, chain.tokens))
+    # The watcher gives node b a fresh store node; it registers empty.
+    wait_for(lambda: b in ray.get(cluster.coordinator_handle().directory.remote()), 30,
+             "a new store node on the Ray node")
+    writer.close()
+    rdr.close()
+
+
+def _restart_coordinator_keeps_blocks(config: KVStoreConfig, ray_nodes: list[str]) -> None:
+    a, b = ray_nodes
+    chains = {a: make_chain(3), b: make_chain(3)}
+    for node, ch in chains.items():
+        s = reader(config, node)
+        s.batch_put(NS, ch.puts())
+        s.close()
+    coordinator = cluster.coordinator_handle()
+    epoch = ray.get(coordinator.epoch.remote())
+    ray.kill(coordinator, no_restart=False)  # Ray restarts it: a new epoch, an empty LRU
+    wait_for(lambda: ray.get(cluster.coordinator_handle().epoch.remote()) != epoch, 30,
+             "the coordinator to restart")
+    rdr = reader(config, a)
+
+    def all_visible() -> bool:
+        # With Redis the keys never left the index; the directory refills as nodes re-announce.
+        directory = ray.get(cluster.coordinator_handle().directory.remote())
+        return set(chains) <= set(directory) and all(
+            rdr.lookup_prefix(NS, ch.keys).num_blocks == 3 for ch in chains.values())
+
+    wait_for(all_visible, 15, "store nodes to re-announce after the restart")
+    for node, ch in chains.items():
+        assert set(ch.keys) <= pool_keys(node)  # nothing lost on a live node
+        assert_round_trip(rdr, ch)
+    rdr.close()
+
+
+def test_coordinator_restart_in_memory_index(kv: KVStoreConfig, ray_nodes: list[str]) -> None:
+    _restart_coordinator_keeps_blocks(kv, ray_nodes)
+
+
+@pytest.mark.redis
+def test_coordinator_restart_redis_index(kv: KVStoreConfig, ray_nodes: list[str],
+                                         request: pytest.FixtureRequest) -> None:
+    server = request.getfixturevalue("redis_server")
+    cluster.stop(kv)
+    config = make_config(backend="redis", redis_url=server.url, key_prefix="test-cluster:")
+    cluster.start(config)
+    try:
+        _restart_coordinator_keeps_blocks(config, ray_nodes)
+    finally:
+        cluster.stop(config)
+        cluster.start(kv)  # leave the module's cluster as the fixture made it
+
+
+# -- soak ------------------------------------------------------------------------------------
+
+def test_soak_publishers_and_readers_at_twice_capacity(kv: KVStoreConfig,
+                                                       ray_nodes: list[str]) -> None:
+    published: dict[bytes, Chain] = {}
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+    stats = {"fetched": 0, "missed": 0, "pool_full": 0}
+    per_node_blocks = 2 * CAPACITY // BLOCK // 2  # two publishers per node: 2x capacity
+    done = threading.Event()
+
+    def publish(node: str) -> None:
+        s = reader(kv, node)
+        try:
+            for _ in range(per_node_blocks // 8):
+                ch = make_chain(8)
+                try:
+                    s.batch_put(NS, ch.puts())
+                except PoolFull:
+                    stats["pool_full"] += 1  # back-pressure is allowed, a crash is not
+                    continue
+                with lock:
+                    published[ch.keys[0]] = ch
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            s.close()
+
+    def read(node: str) -> None:
+        s = reader(kv, node)
+        rng = random.Random(node)
+        try:
+            while not done.is_set():
+                with lock:
+                    chains = list(published.values())
+                if not chains:
+                    time.sleep(0.05)
+                    continue
+                ch = rng.choice(chains)
+                for r, want in zip(s.batch_get(NS, ch.keys, ch.tokens), ch.payloads,
+                                   strict=True):
+                    if isinstance(r, Miss):
+                        stats["missed"] += 1
+                        continue
+                    assert torch.equal(r.payload.view(torch.int32), want.view(torch.int32))
+                    stats["fetched"] += 1
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            s.close()
+
+    writers = [threading.Thread(target=publish, args=(n,)) for n in ray_nodes for _ in (0, 1)]
+    readers = [threading.Thread(target=read, args=(n,)) for n in ray_nodes]
+    for t in writers + readers:
+        t.start()
+    for t in writers:
+        t.join(timeout=120)
+    done.set()
+    for t in readers:
+        t.join(timeout=30)
+    assert not errors, errors[0]
+    assert stats["fetched"] > 0, stats
+
+    def within_bounds() -> bool:
+        return all(ray.get(store_actor(n).stats.remote()).used_bytes <= 0.9 * CAPACITY
+                   for n in ray_nodes)
+
+    wait_for(within_bounds, 10, "every pool under the high watermark")
+    status = cluster.status()
+    assert all(n["used_bytes"] <= CAPACITY for n in status["nodes"])
+
+
+def test_stop_removes_actors_and_arenas(kv: KVStoreConfig, ray_nodes: list[str]) -> None:
+    assert cluster.stop(kv) >= 3
+    names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    assert not any(n.startswith("kvstore-") for n in names)
+    left = [f for f in os.listdir(kv.pool.shm_dir)
+            if any(f.startswith(f"{cluster.ARENA_PREFIX}{n[:16]}") for n in ray_nodes)]
+    assert not left
+    with pytest.raises(KVStoreError):
+        cluster.coordinator_handle()
