@@ -19,7 +19,12 @@ from rich.table import Table
 
 from kvstore.config import KVStoreConfig, load_config
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.keys import KEY_NBYTES, Namespace
+
+#: sha256 digests; spelled here so operator commands need not import torch (kvstore.keys does).
+KEY_NBYTES = 32
+#: Subcommands defined here; for these the worker subcommands (which import torch and
+#: transformers, seconds of start-up) are not loaded.
+OPERATOR_COMMANDS = frozenset({"start", "stop", "status", "pin", "unpin", "drain", "invalidate"})
 
 console = Console()
 
@@ -199,6 +204,8 @@ def namespace_root(args: argparse.Namespace) -> bytes:
     if missing:
         raise ConfigError("give --namespace ROOTHEX, or every namespace field; missing: "
                           + " ".join(missing))
+    from kvstore.keys import Namespace
+
     return Namespace(cache_salt=args.salt, **fields).root  # type: ignore[arg-type]
 
 
@@ -211,7 +218,7 @@ def cmd_invalidate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
     """The argument parser, worker subcommands included when the workers package is there."""
     parser = argparse.ArgumentParser(
         prog="kvstore", description="kvstore operator CLI: a distributed KV-cache store on Ray")
@@ -261,12 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--salt", default="", help="the tenant's cache salt")
     p.set_defaults(func=cmd_invalidate)
 
-    try:
-        from workers import jobs
-    except ImportError:  # the workers package is optional for operators
-        jobs = None
-    if jobs is not None and hasattr(jobs, "register"):
-        jobs.register(sub)
+    if with_workers:
+        try:
+            from workers import jobs
+        except ImportError:  # the workers package is optional for operators
+            pass
+        else:
+            if hasattr(jobs, "register"):
+                jobs.register(sub)
     return parser
 
 
@@ -277,7 +286,9 @@ def _fail(message: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvstore`` console script."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(with_workers=command not in OPERATOR_COMMANDS)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

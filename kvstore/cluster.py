@@ -182,8 +182,10 @@ def start(config: KVStoreConfig | None = None, *, address: str | None = None,
     ensure_ray(address, start_local=start_local)
     coordinator = _start_coordinator(config)
     handles = {node_id: start_store_node(config, node_id) for node_id in _alive_node_ids()}
-    Watcher.options(name=WATCHER_NAME, namespace=RAY_NAMESPACE, lifetime="detached",
-                    get_if_exists=True, max_restarts=-1).remote(config)
+    Watcher.options(  # type: ignore[attr-defined]
+        name=WATCHER_NAME, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True,
+        max_restarts=-1,
+    ).remote(config)
     # Each store node registers in its constructor; a ping returns once it has.
     ray.get([h.ping.remote() for h in handles.values()], timeout=START_TIMEOUT_S)
     directory = _wait_directory(coordinator, set(handles), START_TIMEOUT_S)
@@ -241,12 +243,13 @@ def _kill(name: str) -> bool:
 
 
 @ray.remote(num_cpus=0)
-def _unlink_arenas(pattern: str) -> int:
+def _unlink_arenas(patterns: list[str]) -> int:
     removed = 0
-    for path in glob.glob(pattern):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-            removed += 1
+    for pattern in patterns:
+        for path in glob.glob(pattern):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed += 1
     return removed
 
 
@@ -266,9 +269,11 @@ def stop(config: KVStoreConfig | None = None, *, address: str | None = None) -> 
         ray.kill(handle, no_restart=True)
         num_killed += 1
     num_killed += int(_kill(COORDINATOR_NAME))
-    # An actor killed mid-flight cannot unlink its arena; sweep every node's shm dir.
-    pattern = os.path.join(config.pool.shm_dir, ARENA_PREFIX + "*")
-    refs = [_unlink_arenas.options(scheduling_strategy=_pinned(n)).remote(pattern)
+    # An actor killed mid-flight cannot unlink its arena: sweep every node's shm dir for the
+    # arenas of this cluster's nodes (dead ones too), never another cluster's on the machine.
+    patterns = [os.path.join(config.pool.shm_dir, arena_name(n).rsplit("-", 1)[0] + "-*")
+                for n in {n["NodeID"] for n in ray.nodes()}]
+    refs = [_unlink_arenas.options(scheduling_strategy=_pinned(n)).remote(patterns)
             for n in node_ids]
     with contextlib.suppress(Exception):
         ray.get(refs, timeout=30)

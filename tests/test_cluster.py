@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import ray
@@ -44,8 +45,8 @@ def make_config(**index: str) -> KVStoreConfig:
 
 
 @pytest.fixture(scope="module")
-def ray_nodes() -> Iterator[list[str]]:
-    """A head and a second Ray node; yields their node ids (head first)."""
+def ray_cluster() -> Iterator[tuple[Any, list[str]]]:
+    """A head and a second Ray node: the Cluster and their node ids (head first)."""
     from ray.cluster_utils import Cluster
 
     saved = os.environ.get("RAY_AUTH_MODE")
@@ -62,7 +63,7 @@ def ray_nodes() -> Iterator[list[str]]:
     head = ray.get_runtime_context().get_node_id()
     ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
     try:
-        yield [head] + [i for i in ids if i != head]
+        yield c, [head] + [i for i in ids if i != head]
     finally:
         ray.shutdown()
         c.shutdown()
@@ -72,6 +73,11 @@ def ray_nodes() -> Iterator[list[str]]:
             os.environ.pop("RAY_AUTH_MODE", None)
         else:
             os.environ["RAY_AUTH_MODE"] = saved
+
+
+@pytest.fixture(scope="module")
+def ray_nodes(ray_cluster: tuple[Any, list[str]]) -> list[str]:
+    return ray_cluster[1]
 
 
 @pytest.fixture(scope="module")
@@ -374,6 +380,20 @@ def test_soak_publishers_and_readers_at_twice_capacity(kv: KVStoreConfig,
     wait_for(within_bounds, 10, "every pool under the high watermark")
     status = cluster.status()
     assert all(n["used_bytes"] <= CAPACITY for n in status["nodes"])
+
+
+def test_joining_ray_node_gets_a_store_node_and_leaving_one_is_dropped(
+        kv: KVStoreConfig, ray_cluster: tuple[Any, list[str]]) -> None:
+    c, ids = ray_cluster
+    coordinator = cluster.coordinator_handle()
+    extra = c.add_node(num_cpus=0)
+    new_id = extra.node_id
+    wait_for(lambda: new_id in ray.get(coordinator.directory.remote()), 60,
+             "the watcher to start a store node on the new Ray node")
+    c.remove_node(extra)
+    wait_for(lambda: new_id not in ray.get(coordinator.directory.remote()), 20,
+             "the departed node to be declared dead")
+    assert set(ray.get(coordinator.directory.remote())) == set(ids)
 
 
 def test_stop_removes_actors_and_arenas(kv: KVStoreConfig, ray_nodes: list[str]) -> None:
