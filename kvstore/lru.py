@@ -353,31 +353,32 @@ class LRUTable:
 
         Least recently used first; a block whose child is on the same node waits until the
         child is chosen (evicting a parent would orphan the chain); hard pins never; soft pins
-        only when nothing unpinned is left.
+        only when nothing unpinned is left. Children are counted over *every* block the node
+        holds: a hard-pinned or excluded child is never chosen, so its ancestors stay too.
         """
         if nbytes_to_free <= 0:
             return []
-        cand = self._slots_of(node)
+        held = self._slots_of(node)
+        if not held.size:
+            return []
+        eligible = self.pin[held] != PIN_HARD
         if exclude:
             skip = self.lookup(exclude)
-            cand = np.setdiff1d(cand, skip[skip >= 0], assume_unique=False)
-        cand = cand[self.pin[cand] != PIN_HARD]
-        if not cand.size:
-            return []
-        fps = self.keys[cand, 0]
+            eligible &= ~np.isin(held, skip[skip >= 0])
+        fps = self.keys[held, 0]
         order = np.argsort(fps, kind="stable")
         sorted_fps = fps[order]
-        # children on this node per candidate: count candidates whose parent is that candidate
-        pidx = np.searchsorted(sorted_fps, self.parent[cand])
-        pidx = np.minimum(pidx, sorted_fps.size - 1)
-        has_parent = sorted_fps[pidx] == self.parent[cand]
-        parent_pos = np.full(cand.size, -1, dtype=np.int64)
+        # children on this node per block: count held blocks whose parent is that block
+        parents = self.parent[held]
+        pidx = np.minimum(np.searchsorted(sorted_fps, parents), sorted_fps.size - 1)
+        has_parent = sorted_fps[pidx] == parents
+        parent_pos = np.full(held.size, -1, dtype=np.int64)
         parent_pos[has_parent] = order[pidx[has_parent]]
-        children = np.bincount(parent_pos[has_parent], minlength=cand.size)
-        soft = self.pin[cand] == PIN_SOFT
-        last = self.last_use[cand]
-        sizes = self.nbytes[cand]
-        ready = np.flatnonzero(children == 0)
+        children = np.bincount(parent_pos[has_parent], minlength=held.size)
+        soft = self.pin[held] == PIN_SOFT
+        last = self.last_use[held]
+        sizes = self.nbytes[held]
+        ready = np.flatnonzero((children == 0) & eligible)
         heap = list(zip(soft[ready].tolist(), last[ready].tolist(), ready.tolist(), strict=True))
         heapq.heapify(heap)
         chosen: list[int] = []
@@ -389,6 +390,6 @@ class LRUTable:
             p = int(parent_pos[i])
             if p >= 0:
                 children[p] -= 1
-                if children[p] == 0:
+                if children[p] == 0 and eligible[p]:
                     heapq.heappush(heap, (bool(soft[p]), int(last[p]), p))
-        return self.key_of(cand[np.asarray(chosen, dtype=np.int64)]) if chosen else []
+        return self.key_of(held[np.asarray(chosen, dtype=np.int64)]) if chosen else []

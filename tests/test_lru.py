@@ -31,18 +31,23 @@ def add_chain(table: LRUTable, node: int, chain: list[bytes], root: bytes = ROOT
     table.add(node, chain, [root, *chain[:-1]], [nbytes] * len(chain))
 
 
-def reference_plan(blocks: dict[bytes, dict], node: int, need: int) -> list[bytes]:
-    """Brute force: repeatedly take the eligible block with the smallest (soft, last_use)."""
-    held = {k: b for k, b in blocks.items() if node in b["holders"] and b["pin"] != PIN_HARD}
+def reference_plan(blocks: dict[bytes, dict], node: int, need: int,
+                   exclude: frozenset[bytes] = frozenset()) -> list[bytes]:
+    """Brute force of the spec: repeatedly take the smallest (soft, last_use) block that is
+    neither hard-pinned nor excluded and has no child still cached on the node (pinned,
+    excluded or not: evicting it would orphan that child)."""
+    cached = {k: b for k, b in blocks.items() if node in b["holders"]}
     chosen: list[bytes] = []
     freed = 0
     while freed < need:
-        eligible = [k for k in held if not any(b["parent"] == k for b in held.values())]
+        eligible = [k for k, b in cached.items()
+                    if b["pin"] != PIN_HARD and k not in exclude
+                    and not any(c["parent"] == k for c in cached.values())]
         if not eligible:
             break
-        k = min(eligible, key=lambda k: (held[k]["pin"] == PIN_SOFT, held[k]["last_use"]))
+        k = min(eligible, key=lambda k: (cached[k]["pin"] == PIN_SOFT, cached[k]["last_use"]))
         chosen.append(k)
-        freed += held.pop(k)["nbytes"]
+        freed += cached.pop(k)["nbytes"]
     return chosen
 
 
@@ -121,6 +126,19 @@ def test_plan_matches_brute_force_reference(seed: int) -> None:
         blocks[k]["pin"] = level
     for need in (1, 100, 300, 10_000):
         assert table.plan(0, need) == reference_plan(blocks, 0, need)
+    skip = rng.sample(keys, 2)
+    assert table.plan(0, 10_000, exclude=skip) == reference_plan(blocks, 0, 10_000,
+                                                                 frozenset(skip))
+
+
+def test_hard_pinned_child_keeps_its_ancestors() -> None:
+    table = LRUTable()
+    chain = make_chain(4)
+    add_chain(table, 0, chain)
+    table.set_pin([chain[2]], PIN_HARD)
+    # only the tail below the pin may go: chain[0..1] would orphan the pinned block
+    assert table.plan(0, 10_000) == [chain[3]]
+    assert table.plan(0, 10_000, exclude=[chain[3]]) == []  # ordered, not yet gone: still there
 
 
 def test_plan_evicts_children_before_parents_then_lru() -> None:
