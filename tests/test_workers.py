@@ -92,8 +92,21 @@ def test_deployment_rejects_bad_settings():
         Deployment(make_config(), mode="k8s")
 
 
+@pytest.fixture(scope="module")
+def ray_private():
+    """A private local Ray (address="local"): never another engineer's running cluster."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="kvstore",
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 @pytest.mark.ray
-def test_ray_actors_share_blocks_across_replicas(ray_local):
+def test_ray_actors_share_blocks_across_replicas(ray_private):
     from kvstore import cluster
 
     config = make_config()
@@ -127,19 +140,25 @@ def test_ray_job_submit_generate_on_a_local_head(tmp_path):
     """``ray job submit --working-dir . -- kvstore generate``, against a private Ray head."""
     import json
     import os
+    import shutil
     import signal
     import subprocess
+    import tempfile
     import time
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
     gcs, dash = _free_port(), _free_port()
+    # Short: Ray's unix socket paths under the temp dir must stay under 107 bytes.
+    ray_tmp = tempfile.mkdtemp(prefix="kvs-job-", dir="/tmp")
+    # Head and client must agree on auth; a private loopback head needs no token.
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
     # --block keeps the head in one process group that this test owns and ends by id.
     head = subprocess.Popen(
         ["ray", "start", "--head", "--block", f"--port={gcs}", "--include-dashboard=true",
          f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=2",
-         f"--temp-dir={tmp_path / 'ray'}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+         f"--temp-dir={ray_tmp}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     try:
         prompts = tmp_path / "p.jsonl"
         prompts.write_text("".join(json.dumps({"id": f"q{i}", "token_ids": make_prompt(
@@ -151,7 +170,7 @@ def test_ray_job_submit_generate_on_a_local_head(tmp_path):
                "--max-new-tokens", "3", "--json"]
         while True:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                                  env={**os.environ, "RAY_ADDRESS": ""})
+                                  env=env)
             if proc.returncode == 0 or time.monotonic() > deadline:
                 break
             time.sleep(3)  # the job server comes up a little after the head
@@ -163,3 +182,4 @@ def test_ray_job_submit_generate_on_a_local_head(tmp_path):
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
