@@ -27,4 +27,5 @@ class DecodeReplica(Replica):
         return dec
 
 
-DecodeWorker = ray.remote(num_cpus=0, max_concurrency=4)(DecodeReplica)
+DecodeWorker = ray.remote(num_cpus=0, max_concurrency=4)(  # type: ignore[call-overload]
+    DecodeReplica)

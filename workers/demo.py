@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -49,7 +50,7 @@ def run_demo(args: argparse.Namespace, config: KVStoreConfig) -> int:
     finally:
         dep.close()
     warm = outs[1:]
-    figures = {
+    figures: dict[str, Any] = {
         "cold_ttft_s": outs[0].ttft_s,
         "warm_ttft_s": statistics.median(o.ttft_s for o in warm) if warm else None,
         "hit_rate": sum(o.cached_tokens for o in warm) / max(1, sum(o.num_prompt_tokens

@@ -127,8 +127,8 @@ def emit(args: argparse.Namespace, results: list[RequestOutput], title: str) -> 
     if args.output:
         Path(args.output).write_text("".join(json.dumps(r) + "\n" for r in rows))
     if args.json:
-        for r in rows:
-            print(json.dumps(r), flush=True)
+        for row in rows:
+            print(json.dumps(row), flush=True)
     table = Table(title=title)
     for col in ("id", "prompt", "cached", "ttft ms", "bytes fetched", "sources", "tokens"):
         table.add_column(col)

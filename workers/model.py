@@ -76,11 +76,12 @@ class CausalLM:
     """A loaded causal LM with its fingerprint; runs chunks on a ``DynamicCache``."""
 
     def __init__(self, model: torch.nn.Module, dtype: str, name: str) -> None:
-        self.model = model.eval()
-        self.config = model.config
+        # transformers' own typing of models and configs is loose; Any keeps mypy honest here.
+        self.model: Any = model.eval()
+        self.config: Any = model.config
         self.dtype = dtype
         self.name = name
-        cfg = self.config
+        cfg: Any = self.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.shape = ModelShape(cfg.num_hidden_layers,
                                 cfg.num_key_value_heads or cfg.num_attention_heads,
@@ -121,7 +122,7 @@ class CausalLM:
     def cache_kv(cache: DynamicCache, layer: int, start: int, end: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of tokens ``[start, end)`` of one layer, as ``[T, H, D]`` views."""
-        lay = cache.layers[layer]
+        lay: Any = cache.layers[layer]
         return (lay.keys[0, :, start:end].transpose(0, 1),
                 lay.values[0, :, start:end].transpose(0, 1))
 
@@ -140,11 +141,12 @@ class CausalLM:
 
 
 def _random_model(preset: str, seed: int, dtype: torch.dtype) -> torch.nn.Module:
-    config = LlamaConfig(**PRESETS[preset], attn_implementation=ATTN_IMPLEMENTATION)
+    config = LlamaConfig(**PRESETS[preset],
+                         attn_implementation=ATTN_IMPLEMENTATION)  # type: ignore[call-arg]
     # A forked RNG: loading a model must not disturb the caller's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model: Any = LlamaForCausalLM(config)
     return model.to(dtype)
 
 

@@ -78,4 +78,5 @@ class PrefillReplica(Replica):
 
 # num_cpus=0: replicas fix their own torch thread count; Ray's CPU accounting would otherwise
 # refuse to place more replicas than cores on a laptop.
-PrefillWorker = ray.remote(num_cpus=0, max_concurrency=4)(PrefillReplica)
+PrefillWorker = ray.remote(num_cpus=0, max_concurrency=4)(  # type: ignore[call-overload]
+    PrefillReplica)
