@@ -57,6 +57,7 @@ def ray_local() -> Iterator[None]:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, namespace="kvstore-tests")
+        # address="local": always a private instance, never one another process left running.
+        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="kvstore-tests")
     yield
     ray.shutdown()
