@@ -75,3 +75,23 @@ def test_bad_prompt_files_exit_2_with_a_message(tmp_path, capsys, line, match):
     path.write_text(line + "\n")
     assert main(["generate", "--prompts", str(path), *FLAGS]) == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec, want", [("prefill", {"prefill": 0.01}),
+                                        ("decode=0.5", {"decode": 0.5})])
+def test_placement_resource_specs(spec, want):
+    from workers.serving import parse_resource
+
+    assert parse_resource(spec) == want
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--prefill-resource", "prefill"], "drop --in-process"),
+    (["--decode-resource", "decode=x"], "AMOUNT must be a number"),
+    (["--decode-resource", "CPU"], "custom Ray resource"),
+    (["--prefill-resource", "prefill=0"], "AMOUNT must be > 0"),
+])
+def test_bad_placement_exits_2_with_a_message(tmp_path, capsys, argv, match):
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "token_ids": [1, 2, 3]}])
+    assert main(["generate", "--prompts", prompts, *FLAGS, *argv]) == 2
+    assert match in capsys.readouterr().err

@@ -22,7 +22,7 @@ from rich.table import Table
 from kvstore.config import KVStoreConfig, load_config
 from kvstore.errors import ConfigError
 from workers.engine import SamplingParams
-from workers.serving import Deployment, RequestOutput
+from workers.serving import Deployment, RequestOutput, parse_resource
 from workers.tokenizer import Tokenizer, load_tokenizer
 
 err = Console(stderr=True)
@@ -51,16 +51,27 @@ def _common(p: argparse.ArgumentParser, *, prompts: bool = True) -> None:
     p.add_argument("--output", metavar="PATH", help="write results as JSONL")
 
 
+def _placement(p: argparse.ArgumentParser) -> None:
+    # The prefill/decode node types of deploy/cluster-aws.yaml and the KubeRay worker groups.
+    p.add_argument("--prefill-resource", metavar="NAME[=AMOUNT]",
+                   help="Ray custom resource prefill replicas ask for (places them by node)")
+    p.add_argument("--decode-resource", metavar="NAME[=AMOUNT]",
+                   help="Ray custom resource decode replicas ask for (places them by node)")
+
+
 def register(subparsers: Any) -> None:
     """Add the worker subcommands to the ``kvstore`` parser."""
     p = subparsers.add_parser("prefill", help="prefill prompts and publish their KV blocks")
     _common(p)
+    _placement(p)
     p.set_defaults(func=cmd_prefill)
     p = subparsers.add_parser("decode", help="generate from prompts whose KV was published")
     _common(p)
+    _placement(p)
     p.set_defaults(func=cmd_decode)
     p = subparsers.add_parser("generate", help="disaggregated prefill + decode")
     _common(p)
+    _placement(p)
     p.add_argument("--prefill-replicas", type=int, default=1)
     p.add_argument("--decode-replicas", type=int, default=1)
     p.add_argument("--no-cache", action="store_true", help="bypass the store (reference run)")
@@ -141,6 +152,10 @@ def emit(args: argparse.Namespace, results: list[RequestOutput], title: str) -> 
     (err if args.json else Console()).print(table)
 
 
+def _resource(spec: str | None) -> dict[str, float] | None:
+    return parse_resource(spec) if spec else None
+
+
 def _run(args: argparse.Namespace, kind: str) -> int:
     config = make_config(args)
     tokenizer = load_tokenizer(args.tokenizer)
@@ -148,7 +163,9 @@ def _run(args: argparse.Namespace, kind: str) -> int:
     sampling = make_sampling(args, config)
     dep = Deployment(config, num_prefill=getattr(args, "prefill_replicas", 1),
                      num_decode=getattr(args, "decode_replicas", 1),
-                     mode="inprocess" if args.in_process else "ray", address=args.address)
+                     mode="inprocess" if args.in_process else "ray", address=args.address,
+                     prefill_resources=_resource(getattr(args, "prefill_resource", None)),
+                     decode_resources=_resource(getattr(args, "decode_resource", None)))
     results = []
     try:
         with Progress(console=err, transient=True) as progress:

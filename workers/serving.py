@@ -61,11 +61,15 @@ class Deployment:
 
     def __init__(self, config: KVStoreConfig, *, num_prefill: int = 1, num_decode: int = 1,
                  mode: str = "inprocess", address: str | None = None,
-                 own_ray: bool = False) -> None:
+                 own_ray: bool = False, prefill_resources: dict[str, float] | None = None,
+                 decode_resources: dict[str, float] | None = None) -> None:
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
         if num_prefill < 1 or num_decode < 1:
             raise ConfigError("--prefill-replicas and --decode-replicas must be >= 1")
+        if mode == "inprocess" and (prefill_resources or decode_resources):
+            raise ConfigError("--prefill-resource/--decode-resource place Ray actors: drop "
+                              "--in-process")
         self.config = config
         self.mode = mode
         self.started_cluster = False
@@ -97,9 +101,14 @@ class Deployment:
                 self.started_cluster = True
             self.store = cluster.connect(config)
             factory = cluster_store_factory(config)
-            self.prefills = [PrefillWorker.remote(config, factory, f"prefill-{i}")
+            check_resources(prefill_resources, "--prefill-resource")
+            check_resources(decode_resources, "--decode-resource")
+            # Placement by custom resource (the prefill/decode node types of the deploy files).
+            pre = PrefillWorker.options(resources=prefill_resources or {})
+            dec = DecodeWorker.options(resources=decode_resources or {})
+            self.prefills = [pre.remote(config, factory, f"prefill-{i}")
                              for i in range(num_prefill)]
-            self.decodes = [DecodeWorker.remote(config, factory, f"decode-{i}")
+            self.decodes = [dec.remote(config, factory, f"decode-{i}")
                             for i in range(num_decode)]
             node_ids = ray.get([p.node_id.remote() for p in self.prefills])
         self.namespace = self._call(self.prefills[0], "namespace")
@@ -166,6 +175,39 @@ class Deployment:
             cluster.stop(self.config)
         if self.started_ray:
             ray.shutdown()
+
+
+def parse_resource(spec: str) -> dict[str, float]:
+    """``NAME`` or ``NAME=AMOUNT`` as Ray's actor ``resources``; a bare name asks for 0.01.
+
+    A small default amount makes the resource a placement tag: a node started with
+    ``--resources '{"prefill": 1}'`` takes up to 100 replicas, not one.
+    """
+    name, sep, amount = spec.partition("=")
+    name = name.strip()
+    if not name or name in ("CPU", "GPU", "memory", "object_store_memory"):
+        raise ConfigError(f"resource {spec!r}: give a custom Ray resource name, e.g. prefill")
+    try:
+        value = float(amount) if sep else 0.01
+    except ValueError:
+        raise ConfigError(f"resource {spec!r}: AMOUNT must be a number (NAME=0.5)") from None
+    if not 0 < value <= 1e6:
+        raise ConfigError(f"resource {spec!r}: AMOUNT must be > 0")
+    return {name: value}
+
+
+def check_resources(resources: dict[str, float] | None, flag: str) -> None:
+    """Fail now, naming the flag, when no alive Ray node offers a resource (actors would hang)."""
+    if not resources:
+        return
+    import ray
+
+    offered = ray.cluster_resources()
+    for name, amount in resources.items():
+        if offered.get(name, 0.0) < amount:
+            raise ConfigError(f"{flag} {name}: no alive Ray node offers {amount} of resource "
+                              f"{name!r}; start one with ray start --resources "
+                              f"'{{\"{name}\": 1}}'")
 
 
 def _merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
