@@ -12,7 +12,7 @@ server) into buffers the reader preallocated (``recv_into``: the kernel's copy o
 Protocol (all integers little-endian; one request at a time per connection, connections
 are reused)::
 
-    request : "KVB1" | u32 body_len | msgpack {"t": token, "k": [key, ...]}
+    request : "KVB1" | u32 body_len | msgpack {"t": token, "k": [key, ...], "r": reader}
     response: "KVB1" | u8 status | u32 msg_len | msg (utf-8)
               then, if status == OK: u32 n | n x u64 nbytes (MISSING if absent) | payloads
 
@@ -93,9 +93,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 class BulkServer:
     """Serves leased blocks of one pool to remote readers, one thread per connection."""
 
-    def __init__(self, pool: Any, config: ServerConfig) -> None:
+    def __init__(self, pool: Any, config: ServerConfig,
+                 on_read: Callable[[list[bytes], str], None] | None = None) -> None:
+        """``on_read(keys, reader_node_id)`` hears of every served batch (see StoreServer)."""
         self.pool = pool
         self.config = config
+        self.on_read = on_read
         self._token = (config.auth_token or "").encode()
         self._ssl: ssl.SSLContext | None = None
         if config.tls_cert_file and config.tls_key_file:
@@ -180,8 +183,10 @@ class BulkServer:
         try:
             req = msgpack.unpackb(_recv_exact(conn, body_len))
             token, keys = req["t"], req["k"]
-            if not isinstance(token, bytes) or not isinstance(keys, list):
-                raise TypeError("t must be bytes and k a list")
+            reader = req.get("r", "")  # optional: older clients do not name their node
+            if not isinstance(token, bytes) or not isinstance(keys, list) \
+                    or not isinstance(reader, str):
+                raise TypeError("t must be bytes, k a list and r a string")
         except Exception as exc:  # any parse failure is the client's fault, not ours
             self._reply(conn, STATUS_BAD_REQUEST, f"malformed bulk request: {exc}")
             return False
@@ -207,6 +212,8 @@ class BulkServer:
                 conn.sendfile(arena, offset, nbytes)
                 total += nbytes
             count_out("bulk", len(where), total)
+            if self.on_read is not None and where:
+                self.on_read([k for k in keys if k in where], reader)
         finally:
             self.pool.release(lease.lease_id)
         return True
@@ -228,11 +235,12 @@ class BulkClient:
 
     def __init__(self, address: str, *, auth_token: str | None = None,
                  tls_ca_file: str | None = None, timeout_s: float = 30.0,
-                 server_hostname: str | None = None) -> None:
+                 server_hostname: str | None = None, reader_node_id: str = "") -> None:
         host, _, port = address.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
         self.address = address
         self.timeout_s = timeout_s
+        self.reader_node_id = reader_node_id
         self._token = (auth_token or "").encode()
         self._ssl: ssl.SSLContext | None = None
         self._server_hostname = server_hostname or self.host
@@ -263,7 +271,7 @@ class BulkClient:
         Returns each block's size (None for a key the node does not hold). Raises
         NodeUnavailable if the node dies mid-stream: then no block of the call is valid.
         """
-        body = msgpack.packb({"t": self._token, "k": list(keys)})
+        body = msgpack.packb({"t": self._token, "k": list(keys), "r": self.reader_node_id})
         if len(body) > MAX_REQUEST_BYTES:
             raise RequestTooLarge(f"{len(keys)} keys exceed one bulk request; split them")
         request = _REQ.pack(MAGIC, len(body)) + body

@@ -120,8 +120,11 @@ class StoreNodeClient:
     def __init__(self, grpc_address: str, *, bulk_address: str | None = None,
                  shm_path: str | None = None, same_node: bool = False,
                  config: ClientConfig | None = None, tls_server_name: str | None = None,
-                 lease_ttl_s: float = 30.0) -> None:
+                 lease_ttl_s: float = 30.0, reader_node_id: str | None = None) -> None:
+        """``reader_node_id``: the Ray node this reader runs on (default ``config.node_id``),
+        sent with every read so the node can count remote reads per reader node."""
         self.config = config or ClientConfig()
+        self.reader_node_id = reader_node_id or self.config.node_id or ""
         self.address = grpc_address
         self.same_node = same_node and shm_path is not None
         self.shm_path = shm_path
@@ -141,7 +144,8 @@ class StoreNodeClient:
         self._chunk = cfg.max_message_bytes - (64 << 10)
         self._bulk = BulkClient(bulk_address, auth_token=cfg.auth_token,
                                 tls_ca_file=cfg.tls_ca_file, timeout_s=cfg.timeout_s,
-                                server_hostname=tls_server_name) if bulk_address else None
+                                server_hostname=tls_server_name,
+                                reader_node_id=self.reader_node_id) if bulk_address else None
         self._shm: Any = None
         self._shm_lock = threading.Lock()
 
@@ -214,8 +218,8 @@ class StoreNodeClient:
     def _grpc_get(self, keys: list[bytes]) -> list[bytes | bytearray | None]:
         found: dict[bytes, bytes | bytearray] = {}
         partial: dict[bytes, bytearray] = {}
-        stream = self._stub.Get(pb.KeysRequest(keys=keys), timeout=self.config.timeout_s,
-                                metadata=self._metadata)
+        stream = self._stub.Get(pb.KeysRequest(keys=keys, reader_node_id=self.reader_node_id),
+                                timeout=self.config.timeout_s, metadata=self._metadata)
         for msg in stream:
             if not msg.found:
                 continue
@@ -291,7 +295,8 @@ class StoreNodeClient:
     # -- leases -----------------------------------------------------------------------------
     def lease(self, keys: Sequence[bytes], ttl_s: float) -> LeaseInfo:
         """Pin the held ``keys`` on the node for ``ttl_s`` seconds (absent ones are listed)."""
-        resp = self._unary(self._stub.Lease, pb.LeaseRequest(keys=list(keys), ttl_s=ttl_s))
+        resp = self._unary(self._stub.Lease, pb.LeaseRequest(
+            keys=list(keys), ttl_s=ttl_s, reader_node_id=self.reader_node_id))
         return LeaseInfo(resp.lease_id,
                          [BlockLocation(loc.key, loc.offset, loc.nbytes) for loc in resp.locations],
                          list(resp.missing), resp.expires_at, resp.shm_path)

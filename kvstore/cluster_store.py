@@ -135,7 +135,7 @@ class ClusterStore:
         client = StoreNodeClient(
             addr.grpc_address, bulk_address=addr.bulk_address, shm_path=addr.shm_path,
             same_node=node == self.local_node_id, config=self.config,
-            lease_ttl_s=self.lease_ttl_s,
+            lease_ttl_s=self.lease_ttl_s, reader_node_id=self.local_node_id,
         )
         with self._lock:
             existing = self._clients.setdefault(node, client)

@@ -249,6 +249,7 @@ class _Servicer(pb_grpc.StoreNodeServicer):
             except BlockNotFound:
                 yield pb.GetChunk(key=key, found=False)
                 continue
+            self.s.record_reads([key], request.reader_node_id)
             count_out("grpc", 1, total)
             for i, data in enumerate(parts):
                 yield pb.GetChunk(key=key, found=True, total_nbytes=total, offset=i * chunk,
@@ -264,6 +265,7 @@ class _Servicer(pb_grpc.StoreNodeServicer):
             _abort(context, exc)
         lease_id = self.s.track_lease(lease)
         got = {loc.key for loc in lease.locations}
+        self.s.record_reads([k for k in keys if k in got], request.reader_node_id)
         return pb.LeaseResponse(
             lease_id=lease_id,
             locations=[pb.BlockLocation(key=loc.key, offset=loc.offset, nbytes=loc.nbytes)
@@ -389,11 +391,16 @@ class StoreServer:
 
     def __init__(self, pool: Any, node_id: str, config: ServerConfig,
                  on_publish: Callable[[list[IndexEntry]], None] | None = None,
-                 *, bulk: bool = True, default_lease_ttl_s: float = 30.0) -> None:
+                 *, bulk: bool = True, default_lease_ttl_s: float = 30.0,
+                 on_read: Callable[[list[bytes], str], None] | None = None) -> None:
+        """``on_read(keys, reader_node_id)`` hears of every block served (Get, Lease, bulk),
+        with the reader's Ray node id ("" when the client did not say): LRU touches and
+        per-reader remote-read counts for hot-prefix replication come from it."""
         self.pool = pool
         self.node_id = node_id
         self.config = config
         self.on_publish = on_publish
+        self.on_read = on_read
         self.default_lease_ttl_s = default_lease_ttl_s
         # Headroom for the protobuf framing around one chunk of block bytes.
         self.chunk_bytes = config.max_message_bytes - (64 << 10)
@@ -402,7 +409,7 @@ class StoreServer:
         self._leases: dict[str, tuple[Any, float]] = {}
         self._lock = threading.Lock()
         self._grpc: grpc.Server | None = None
-        self._bulk = BulkServer(pool, config) if bulk else None
+        self._bulk = BulkServer(pool, config, on_read=self.record_reads) if bulk else None
         self._ports: tuple[int, int | None] = (0, None)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -449,6 +456,11 @@ class StoreServer:
         return f"{host}:{grpc_port}", (f"{host}:{bulk_port}" if bulk_port else None)
 
     # -- bookkeeping used by the servicer ---------------------------------------------------
+    def record_reads(self, keys: list[bytes], reader_node_id: str) -> None:
+        """Blocks served to a reader on ``reader_node_id`` ("" unknown)."""
+        if keys and self.on_read is not None:
+            self.on_read(keys, reader_node_id)
+
     def remember(self, key: bytes, parent_key: bytes, namespace_root: bytes) -> None:
         with self._lock:
             self._meta[key] = (parent_key, namespace_root)

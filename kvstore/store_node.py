@@ -41,33 +41,26 @@ _REGISTER_ATTEMPTS = 60
 
 
 class EvictingPool:
-    """A BlockPool seen through the server: records reads, and on PoolFull evicts and retries.
+    """A BlockPool seen through the server: on PoolFull it evicts and retries once.
 
-    The server only calls ``reserve``/``read``/``lease`` and friends, so wrapping the pool is
-    enough to hook eviction in without the server knowing about the coordinator.
+    The server only calls ``reserve`` and friends, so wrapping the pool is enough to hook
+    eviction in without the server knowing about the coordinator. Reads are reported by the
+    server itself (``on_read``), which knows the reader's node.
     """
 
-    def __init__(self, pool: BlockPool, make_room: Callable[[int], bool],
-                 record_reads: Callable[[Sequence[bytes], bool], None]) -> None:
+    def __init__(self, pool: BlockPool, make_room: Callable[[int], bool]) -> None:
         self._pool = pool
         self._make_room = make_room
-        self._record_reads = record_reads
 
     def reserve(self, key: bytes, nbytes: int) -> Any:
         try:
             return self._pool.reserve(key, nbytes)
-        except PoolFull:
+        except PoolFull as exc:
             if not self._make_room(nbytes):
-                raise
+                raise PoolFull(f"{exc}; the coordinator found nothing evictable on this node "
+                               "(every block is pinned, leased or already ordered out): "
+                               "unpin blocks or raise pool.capacity_bytes") from exc
             return self._pool.reserve(key, nbytes)  # once: a second PoolFull goes to the caller
-
-    def read(self, key: bytes) -> Any:
-        self._record_reads([key], True)  # whole-block reads are gRPC/bulk: a remote reader
-        return self._pool.read(key)
-
-    def lease(self, keys: Sequence[bytes], ttl_s: float) -> Any:
-        self._record_reads(keys, False)  # leases are taken by same-node readers
-        return self._pool.lease(keys, ttl_s)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)
@@ -85,15 +78,15 @@ class StoreNode:
                               name=arena_name(self.node_id))
         self._lock = threading.Lock()
         self._touched: dict[bytes, None] = {}  # ordered set: recency order is kept
-        self._remote_reads: list[bytes] = []
+        self._remote_reads: dict[str, list[bytes]] = {}  # reader node -> keys, one per read
         self._coordinator = coordinator_handle()
         # With Redis the node writes the index itself, so readers see keys even while the
         # coordinator restarts; the coordinator still records the blocks for its LRU.
         self._redis = make_index(config.index) if config.index.backend == "redis" else None
         self.server = StoreServer(
-            EvictingPool(self.pool, self._make_room, self._record_reads),
+            EvictingPool(self.pool, self._make_room),
             self.node_id, _server_config(config.server, ip), on_publish=self._on_publish,
-            default_lease_ttl_s=config.coordinator.lease_ttl_s,
+            default_lease_ttl_s=config.coordinator.lease_ttl_s, on_read=self._record_reads,
         )
         self.server.start()
         grpc_address, bulk_address = self.server.addresses
@@ -180,12 +173,13 @@ class StoreNode:
             self._redis.publish(entries)
         self._call("publish", self.node_id, entries)
 
-    def _record_reads(self, keys: Sequence[bytes], remote: bool) -> None:
+    def _record_reads(self, keys: Sequence[bytes], reader_node_id: str) -> None:
+        """Touch ``keys``; reads from another (named) node also count toward replication."""
         with self._lock:
             for k in keys:
                 self._touched[k] = None
-            if remote:
-                self._remote_reads.extend(keys)
+            if reader_node_id and reader_node_id != self.node_id:
+                self._remote_reads.setdefault(reader_node_id, []).extend(keys)
 
     def _make_room(self, nbytes: int) -> bool:
         """Ask the coordinator what to evict for ``nbytes`` more; True if anything was freed."""
@@ -210,21 +204,20 @@ class StoreNode:
                 self._call("removed", self.node_id, gone)  # re-announce reconciles otherwise
         return freed
 
-    def _take_reads(self) -> tuple[list[bytes], list[bytes]]:
+    def _take_reads(self) -> tuple[list[bytes], dict[str, list[bytes]]]:
         with self._lock:
             touched, self._touched = list(self._touched), {}
-            remote, self._remote_reads = self._remote_reads, []
+            remote, self._remote_reads = self._remote_reads, {}
         return touched, remote
 
     def _heartbeat(self) -> None:
         touched, remote = self._take_reads()
         try:
-            # Readers are not identified on the wire, so remote reads are reported under ""
-            # (unknown reader); the coordinator may ignore them for replication.
-            reads = {"": remote} if remote else {}
-            reply = self._call("heartbeat", self.node_id, self.pool.stats(), touched, reads)
+            reply = self._call("heartbeat", self.node_id, self.pool.stats(), touched, remote)
         except Exception:
-            self._record_reads(touched, False)  # keep the touches for the next beat
+            self._record_reads(touched, "")  # keep the touches and counts for the next beat
+            for reader, keys in remote.items():
+                self._record_reads(keys, reader)
             raise
         if reply.epoch != self.epoch or getattr(reply, "reannounce", False):
             # The coordinator restarted, or declared us dead: tell it everything we hold.
@@ -237,7 +230,8 @@ class StoreNode:
         """Copy hot blocks from ``source`` into this pool and publish them."""
         wanted = [k for k in keys if not self.pool.contains(k)]
         entries = []
-        for key, data, header in fetch_verified(source, wanted, self.config.client):
+        for key, data, header in fetch_verified(source, wanted, self.config.client,
+                                                reader_node_id=self.node_id):
             try:
                 stored = self.pool.put(key, data)
             except PoolFull:
@@ -278,8 +272,8 @@ def check_block_bytes(data: bytes, key: bytes) -> BlockHeader:
     return header
 
 
-def fetch_verified(source: NodeAddress, keys: Sequence[bytes], config: ClientConfig
-                   ) -> list[tuple[bytes, bytes, BlockHeader]]:
+def fetch_verified(source: NodeAddress, keys: Sequence[bytes], config: ClientConfig,
+                   reader_node_id: str = "") -> list[tuple[bytes, bytes, BlockHeader]]:
     """Fetch whole blocks from ``source`` over gRPC Get; drops missing or corrupt ones."""
     if not keys:
         return []
@@ -297,8 +291,8 @@ def fetch_verified(source: NodeAddress, keys: Sequence[bytes], config: ClientCon
     parts: dict[bytes, bytearray] = {}
     with channel:
         stub = pb_grpc.StoreNodeStub(channel)
-        for chunk in stub.Get(pb.KeysRequest(keys=list(keys)), timeout=config.timeout_s,
-                              metadata=metadata):
+        request = pb.KeysRequest(keys=list(keys), reader_node_id=reader_node_id)
+        for chunk in stub.Get(request, timeout=config.timeout_s, metadata=metadata):
             if chunk.found:
                 parts.setdefault(bytes(chunk.key), bytearray()).extend(chunk.data)
     out = []

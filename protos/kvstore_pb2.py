@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/kvstore.proto\x12\nkvstore.v1\"\xb5\x01\n\rNamespaceSpec\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x12\n\ncache_salt\x18\x08 \x01(\t\"y\n\x08PutChunk\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x14\n\x0ctotal_nbytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"7\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x14\n\x0cnum_existing\x18\x02 \x01(\r\"\x1b\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\"Z\n\x08GetChunk\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x14\n\x0ctotal_nbytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"+\n\x0cLeaseRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"<\n\rBlockLocation\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"\x86\x01\n\rLeaseResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12,\n\tlocations\x18\x02 \x03(\x0b\x32\x19.kvstore.v1.BlockLocation\x12\x0f\n\x07missing\x18\x03 \x03(\x0c\x12\x12\n\nexpires_at\x18\x04 \x01(\x01\x12\x10\n\x08shm_path\x18\x05 \x01(\t\"4\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"(\n\x12RenewLeaseResponse\x12\x12\n\nexpires_at\x18\x01 \x01(\x01\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x07\n\x05\x45mpty\"1\n\x0e\x45xistsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\x12\x0e\n\x06nbytes\x18\x02 \x03(\x04\"%\n\x0e\x44\x65leteResponse\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\r\"$\n\rEvictResponse\x12\x13\n\x0b\x62ytes_freed\x18\x01 \x01(\x04\"\x88\x01\n\rStatsResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x12\n\nnum_leased\x18\x05 \x01(\x04\x12\x12\n\nnum_pinned\x18\x06 \x01(\x04\"p\n\x0eHealthResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x14\n\x0c\x62ulk_address\x18\x04 \x01(\t\x12\x10\n\x08shm_path\x18\x05 \x01(\t\"$\n\x0fListKeysRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\"R\n\x07KeyInfo\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x12\n\nparent_key\x18\x03 \x01(\x0c\x12\x16\n\x0enamespace_root\x18\x04 \x01(\x0c\",\n\x07KeyPage\x12!\n\x04keys\x18\x01 \x03(\x0b\x32\x13.kvstore.v1.KeyInfo2\xb5\x05\n\tStoreNode\x12\x36\n\x03Put\x12\x14.kvstore.v1.PutChunk\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x36\n\x03Get\x12\x17.kvstore.v1.KeysRequest\x1a\x14.kvstore.v1.GetChunk0\x01\x12<\n\x05Lease\x12\x18.kvstore.v1.LeaseRequest\x1a\x19.kvstore.v1.LeaseResponse\x12K\n\nRenewLease\x12\x1d.kvstore.v1.RenewLeaseRequest\x1a\x1e.kvstore.v1.RenewLeaseResponse\x12\x42\n\x0cReleaseLease\x12\x1f.kvstore.v1.ReleaseLeaseRequest\x1a\x11.kvstore.v1.Empty\x12=\n\x06\x45xists\x12\x17.kvstore.v1.KeysRequest\x1a\x1a.kvstore.v1.ExistsResponse\x12=\n\x06\x44\x65lete\x12\x17.kvstore.v1.KeysRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12;\n\x05\x45vict\x12\x17.kvstore.v1.KeysRequest\x1a\x19.kvstore.v1.EvictResponse\x12\x35\n\x05Stats\x12\x11.kvstore.v1.Empty\x1a\x19.kvstore.v1.StatsResponse\x12\x37\n\x06Health\x12\x11.kvstore.v1.Empty\x1a\x1a.kvstore.v1.HealthResponse\x12>\n\x08ListKeys\x12\x1b.kvstore.v1.ListKeysRequest\x1a\x13.kvstore.v1.KeyPage0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/kvstore.proto\x12\nkvstore.v1\"\xb5\x01\n\rNamespaceSpec\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x12\n\ncache_salt\x18\x08 \x01(\t\"y\n\x08PutChunk\x12,\n\tnamespace\x18\x01 \x01(\x0b\x32\x19.kvstore.v1.NamespaceSpec\x12\x0b\n\x03key\x18\x02 \x01(\x0c\x12\x14\n\x0ctotal_nbytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"7\n\x0bPutResponse\x12\x12\n\nnum_stored\x18\x01 \x01(\r\x12\x14\n\x0cnum_existing\x18\x02 \x01(\r\"3\n\x0bKeysRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x16\n\x0ereader_node_id\x18\x02 \x01(\t\"Z\n\x08GetChunk\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x14\n\x0ctotal_nbytes\x18\x03 \x01(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"C\n\x0cLeaseRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\x12\x16\n\x0ereader_node_id\x18\x03 \x01(\t\"<\n\rBlockLocation\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"\x86\x01\n\rLeaseResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12,\n\tlocations\x18\x02 \x03(\x0b\x32\x19.kvstore.v1.BlockLocation\x12\x0f\n\x07missing\x18\x03 \x03(\x0c\x12\x12\n\nexpires_at\x18\x04 \x01(\x01\x12\x10\n\x08shm_path\x18\x05 \x01(\t\"4\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\x01\"(\n\x12RenewLeaseResponse\x12\x12\n\nexpires_at\x18\x01 \x01(\x01\"\'\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x07\n\x05\x45mpty\"1\n\x0e\x45xistsResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\x12\x0e\n\x06nbytes\x18\x02 \x03(\x04\"%\n\x0e\x44\x65leteResponse\x12\x13\n\x0bnum_deleted\x18\x01 \x01(\r\"$\n\rEvictResponse\x12\x13\n\x0b\x62ytes_freed\x18\x01 \x01(\x04\"\x88\x01\n\rStatsResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x12\n\nnum_blocks\x18\x04 \x01(\x04\x12\x12\n\nnum_leased\x18\x05 \x01(\x04\x12\x12\n\nnum_pinned\x18\x06 \x01(\x04\"p\n\x0eHealthResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07serving\x18\x02 \x01(\x08\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x14\n\x0c\x62ulk_address\x18\x04 \x01(\t\x12\x10\n\x08shm_path\x18\x05 \x01(\t\"$\n\x0fListKeysRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\"R\n\x07KeyInfo\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x12\x12\n\nparent_key\x18\x03 \x01(\x0c\x12\x16\n\x0enamespace_root\x18\x04 \x01(\x0c\",\n\x07KeyPage\x12!\n\x04keys\x18\x01 \x03(\x0b\x32\x13.kvstore.v1.KeyInfo2\xb5\x05\n\tStoreNode\x12\x36\n\x03Put\x12\x14.kvstore.v1.PutChunk\x1a\x17.kvstore.v1.PutResponse(\x01\x12\x36\n\x03Get\x12\x17.kvstore.v1.KeysRequest\x1a\x14.kvstore.v1.GetChunk0\x01\x12<\n\x05Lease\x12\x18.kvstore.v1.LeaseRequest\x1a\x19.kvstore.v1.LeaseResponse\x12K\n\nRenewLease\x12\x1d.kvstore.v1.RenewLeaseRequest\x1a\x1e.kvstore.v1.RenewLeaseResponse\x12\x42\n\x0cReleaseLease\x12\x1f.kvstore.v1.ReleaseLeaseRequest\x1a\x11.kvstore.v1.Empty\x12=\n\x06\x45xists\x12\x17.kvstore.v1.KeysRequest\x1a\x1a.kvstore.v1.ExistsResponse\x12=\n\x06\x44\x65lete\x12\x17.kvstore.v1.KeysRequest\x1a\x1a.kvstore.v1.DeleteResponse\x12;\n\x05\x45vict\x12\x17.kvstore.v1.KeysRequest\x1a\x19.kvstore.v1.EvictResponse\x12\x35\n\x05Stats\x12\x11.kvstore.v1.Empty\x1a\x19.kvstore.v1.StatsResponse\x12\x37\n\x06Health\x12\x11.kvstore.v1.Empty\x1a\x1a.kvstore.v1.HealthResponse\x12>\n\x08ListKeys\x12\x1b.kvstore.v1.ListKeysRequest\x1a\x13.kvstore.v1.KeyPage0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,39 +38,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTRESPONSE']._serialized_start=343
   _globals['_PUTRESPONSE']._serialized_end=398
   _globals['_KEYSREQUEST']._serialized_start=400
-  _globals['_KEYSREQUEST']._serialized_end=427
-  _globals['_GETCHUNK']._serialized_start=429
-  _globals['_GETCHUNK']._serialized_end=519
-  _globals['_LEASEREQUEST']._serialized_start=521
-  _globals['_LEASEREQUEST']._serialized_end=564
-  _globals['_BLOCKLOCATION']._serialized_start=566
-  _globals['_BLOCKLOCATION']._serialized_end=626
-  _globals['_LEASERESPONSE']._serialized_start=629
-  _globals['_LEASERESPONSE']._serialized_end=763
-  _globals['_RENEWLEASEREQUEST']._serialized_start=765
-  _globals['_RENEWLEASEREQUEST']._serialized_end=817
-  _globals['_RENEWLEASERESPONSE']._serialized_start=819
-  _globals['_RENEWLEASERESPONSE']._serialized_end=859
-  _globals['_RELEASELEASEREQUEST']._serialized_start=861
-  _globals['_RELEASELEASEREQUEST']._serialized_end=900
-  _globals['_EMPTY']._serialized_start=902
-  _globals['_EMPTY']._serialized_end=909
-  _globals['_EXISTSRESPONSE']._serialized_start=911
-  _globals['_EXISTSRESPONSE']._serialized_end=960
-  _globals['_DELETERESPONSE']._serialized_start=962
-  _globals['_DELETERESPONSE']._serialized_end=999
-  _globals['_EVICTRESPONSE']._serialized_start=1001
-  _globals['_EVICTRESPONSE']._serialized_end=1037
-  _globals['_STATSRESPONSE']._serialized_start=1040
-  _globals['_STATSRESPONSE']._serialized_end=1176
-  _globals['_HEALTHRESPONSE']._serialized_start=1178
-  _globals['_HEALTHRESPONSE']._serialized_end=1290
-  _globals['_LISTKEYSREQUEST']._serialized_start=1292
-  _globals['_LISTKEYSREQUEST']._serialized_end=1328
-  _globals['_KEYINFO']._serialized_start=1330
-  _globals['_KEYINFO']._serialized_end=1412
-  _globals['_KEYPAGE']._serialized_start=1414
-  _globals['_KEYPAGE']._serialized_end=1458
-  _globals['_STORENODE']._serialized_start=1461
-  _globals['_STORENODE']._serialized_end=2154
+  _globals['_KEYSREQUEST']._serialized_end=451
+  _globals['_GETCHUNK']._serialized_start=453
+  _globals['_GETCHUNK']._serialized_end=543
+  _globals['_LEASEREQUEST']._serialized_start=545
+  _globals['_LEASEREQUEST']._serialized_end=612
+  _globals['_BLOCKLOCATION']._serialized_start=614
+  _globals['_BLOCKLOCATION']._serialized_end=674
+  _globals['_LEASERESPONSE']._serialized_start=677
+  _globals['_LEASERESPONSE']._serialized_end=811
+  _globals['_RENEWLEASEREQUEST']._serialized_start=813
+  _globals['_RENEWLEASEREQUEST']._serialized_end=865
+  _globals['_RENEWLEASERESPONSE']._serialized_start=867
+  _globals['_RENEWLEASERESPONSE']._serialized_end=907
+  _globals['_RELEASELEASEREQUEST']._serialized_start=909
+  _globals['_RELEASELEASEREQUEST']._serialized_end=948
+  _globals['_EMPTY']._serialized_start=950
+  _globals['_EMPTY']._serialized_end=957
+  _globals['_EXISTSRESPONSE']._serialized_start=959
+  _globals['_EXISTSRESPONSE']._serialized_end=1008
+  _globals['_DELETERESPONSE']._serialized_start=1010
+  _globals['_DELETERESPONSE']._serialized_end=1047
+  _globals['_EVICTRESPONSE']._serialized_start=1049
+  _globals['_EVICTRESPONSE']._serialized_end=1085
+  _globals['_STATSRESPONSE']._serialized_start=1088
+  _globals['_STATSRESPONSE']._serialized_end=1224
+  _globals['_HEALTHRESPONSE']._serialized_start=1226
+  _globals['_HEALTHRESPONSE']._serialized_end=1338
+  _globals['_LISTKEYSREQUEST']._serialized_start=1340
+  _globals['_LISTKEYSREQUEST']._serialized_end=1376
+  _globals['_KEYINFO']._serialized_start=1378
+  _globals['_KEYINFO']._serialized_end=1460
+  _globals['_KEYPAGE']._serialized_start=1462
+  _globals['_KEYPAGE']._serialized_end=1506
+  _globals['_STORENODE']._serialized_start=1509
+  _globals['_STORENODE']._serialized_end=2202
 # @@protoc_insertion_point(module_scope)

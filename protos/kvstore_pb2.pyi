@@ -49,10 +49,12 @@ class PutResponse(_message.Message):
     def __init__(self, num_stored: _Optional[int] = ..., num_existing: _Optional[int] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "reader_node_id")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    READER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    reader_node_id: str
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., reader_node_id: _Optional[str] = ...) -> None: ...
 
 class GetChunk(_message.Message):
     __slots__ = ("key", "found", "total_nbytes", "offset", "data")
@@ -69,12 +71,14 @@ class GetChunk(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., found: _Optional[bool] = ..., total_nbytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("keys", "ttl_s")
+    __slots__ = ("keys", "ttl_s", "reader_node_id")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    READER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     ttl_s: float
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    reader_node_id: str
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ..., reader_node_id: _Optional[str] = ...) -> None: ...
 
 class BlockLocation(_message.Message):
     __slots__ = ("key", "offset", "nbytes")

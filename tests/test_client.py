@@ -66,6 +66,34 @@ def test_round_trip_is_bitwise_on_every_path(server, path: str) -> None:
     client.close()
 
 
+@pytest.mark.parametrize("path", ["grpc", "bulk", "shm"])
+def test_every_read_path_names_the_reader_node(path: str) -> None:
+    pool = BlockPool(4 << 20)
+    reads: list[tuple[list[bytes], str]] = []
+    srv = StoreServer(pool, "n1", ServerConfig(),
+                      on_read=lambda keys, reader: reads.append((list(keys), reader)))
+    srv.start()
+    grpc_addr, bulk_addr = srv.addresses
+    cfg = ClientConfig(timeout_s=5, retries=1, node_id="reader-b")
+    client = {
+        "grpc": StoreNodeClient(grpc_addr, config=cfg),
+        "bulk": StoreNodeClient(grpc_addr, bulk_address=bulk_addr, config=cfg),
+        "shm": StoreNodeClient(grpc_addr, shm_path=pool.path, same_node=True, config=cfg,
+                               reader_node_id="explicit-a"),
+    }[path]
+    ns = make_namespace()
+    keys, _, blocks = make_blocks(ns, 2)
+    client.put_blocks(ns, list(zip(keys, blocks, strict=True)))
+    assert reads == []  # a put is not a read
+    client.get_blocks_into([keys[1], b"\7" * 32, keys[0]], [bytearray(len(blocks[0]))] * 3)
+    want = "explicit-a" if path == "shm" else "reader-b"
+    assert sorted(k for ks, _ in reads for k in ks) == sorted(keys)  # the absent key is not
+    assert {r for _, r in reads} == {want}
+    client.close()
+    srv.stop(0)
+    pool.close()
+
+
 def test_admin_calls(server) -> None:
     srv, pool = server
     client = clients(srv, pool)["bulk"]
