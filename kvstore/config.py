@@ -129,6 +129,7 @@ class CoordinatorConfig:
     node_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
     hot_fetch_threshold: int = 3
+    metrics_port: int | None = None  # serve the coordinator's Prometheus metrics here
 
     def __post_init__(self) -> None:
         _check(0 < self.low_watermark < self.high_watermark <= 1.0,

@@ -15,7 +15,7 @@ from kvstore.api import NodeAddress, PrefixHit
 from kvstore.config import KVStoreConfig
 from kvstore.coordinator_core import CoordinatorCore, HeartbeatReply, ReplicateOrder
 from kvstore.index import IndexEntry
-from kvstore.liveness import NodeStatus
+from kvstore.liveness import NodeStatus, Reaper
 from kvstore.pool import PoolStats
 
 __all__ = ["COORDINATOR_NAME", "RAY_NAMESPACE", "Coordinator", "HeartbeatReply", "NodeStatus",
@@ -30,6 +30,16 @@ class Coordinator:
 
     def __init__(self, config: KVStoreConfig) -> None:
         self._core = CoordinatorCore(config)
+        cfg = config.coordinator
+        # Liveness does not wait for heartbeats: a lone node that dies must still be dropped.
+        # The actor is threaded (max_concurrency > 1) and the core is locked, so a thread is
+        # safe here; a sweep every quarter timeout declares a node dead within 1.25 timeouts.
+        self._reaper = Reaper(self._core.check_liveness,
+                              min(cfg.heartbeat_interval_s, cfg.node_timeout_s / 4))
+        if cfg.metrics_port is not None:
+            from kvstore.metrics import start_metrics_server
+
+            start_metrics_server(cfg.metrics_port)
 
     def epoch(self) -> int:
         """Changes on every (re)start: nodes re-register when they see a new one."""
@@ -111,6 +121,14 @@ class Coordinator:
     def status(self) -> dict[str, Any]:
         """The json-able operator view."""
         return self._core.status()
+
+    def metrics_text(self) -> str:
+        """This process's Prometheus exposition (the coordinator's series live here)."""
+        from prometheus_client import generate_latest
+
+        from kvstore.metrics import REGISTRY
+
+        return generate_latest(REGISTRY).decode()
 
     def ping(self) -> int:
         """A no-op round trip (the benchmark's actor-call overhead)."""

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore import metrics as prom
 from kvstore.api import NodeAddress, PrefixHit
 from kvstore.config import KVStoreConfig
 from kvstore.index import Index, IndexEntry, check_keys, check_node_id, make_index
@@ -114,6 +115,8 @@ class CoordinatorCore:
             self.metrics["drift_added"] += len(missing)
             self.metrics["drift_removed"] += len(stale)
             self.metrics["registrations"] += 1
+            prom.record_drift(len(missing), len(stale))
+            self._observe()
             return self.epoch
 
     def _check_owner(self, node_id: str, entries: Sequence[IndexEntry]) -> None:
@@ -199,6 +202,8 @@ class CoordinatorCore:
                     replicate.append(ReplicateOrder(keys, src.address))
             node.pending_replicate = {}
             self.metrics["evict_orders"] += len(evict)
+            prom.COORD_EVICT_ORDERS.inc(len(evict))
+            self._observe()
             return HeartbeatReply(self.epoch, evict, replicate,
                                   reannounce=came_back or node.address is None)
 
@@ -214,7 +219,9 @@ class CoordinatorCore:
                 target = max(nbytes_needed, node.used_bytes + nbytes_needed - low)
             keys = self.lru.plan(node.slot, target, list(node.ordered))
             node.ordered.update(keys)
+            self.metrics["eviction_requests"] += 1
             self.metrics["evict_orders"] += len(keys)
+            prom.COORD_EVICT_ORDERS.inc(len(keys))
             return keys
 
     def _count_remote_reads(self, source: NodeState, remote_reads: dict[str, list[bytes]]
@@ -242,15 +249,25 @@ class CoordinatorCore:
                     orders.append(key)
                     del self.hot[(key, reader_id)]
                     self.metrics["replicate_orders"] += 1
+                    prom.COORD_REPLICATE_ORDERS.inc()
             if not orders:
                 del reader.pending_replicate[source.node_id]
 
     # -- liveness --------------------------------------------------------------------------
 
     def _sweep(self, now: float) -> None:
-        for node in self.nodes.expired(now):
+        dead = self.nodes.expired(now)
+        for node in dead:
             self._forget(node, alive=False)
             self.metrics["nodes_dead"] += 1
+            prom.COORD_NODES_DEAD.inc()
+            prom.forget_node(node.node_id)
+        if dead:
+            self._observe()
+
+    def _observe(self) -> None:
+        """Refresh the gauges (nodes alive, pins) after a change."""
+        prom.observe_coordinator(len(self.nodes.nodes), self.pins.counts())
 
     def _forget(self, node: NodeState, *, alive: bool) -> None:
         num = self.index.drop_node(node.node_id)
@@ -309,6 +326,7 @@ class CoordinatorCore:
             expires = None if ttl_s is None else self.clock() + ttl_s
             self.pins.pin(keys, hard=hard, expires_at=expires)
             self.lru.set_pin(keys, PIN_HARD if hard else PIN_SOFT)
+            self._observe()
             return len(keys)
 
     def unpin(self, keys: Sequence[bytes]) -> int:
@@ -317,6 +335,7 @@ class CoordinatorCore:
         with self._lock:
             gone = self.pins.unpin(keys)
             self.lru.set_pin(gone, PIN_NONE)
+            self._observe()
             return len(gone)
 
     def _expire_pins(self, now: float) -> None:
@@ -324,6 +343,7 @@ class CoordinatorCore:
         if gone:
             self.lru.set_pin(gone, PIN_NONE)
             self.metrics["pins_expired"] += len(gone)
+            self._observe()
 
     def drain(self, node_id: str) -> int:
         """Empty a node: replicate its blocks where there is room, evict the rest."""
@@ -364,6 +384,7 @@ class CoordinatorCore:
             self.lru.drop_node(node.slot)
             for other in self.nodes.nodes.values():
                 other.pending_replicate.pop(node_id, None)
+            self._observe()
             return num
 
     def invalidate(self, namespace_root: bytes) -> int:

@@ -7,12 +7,17 @@ owns one of ``MAX_NODES`` bit positions in the LRU table's holder masks.
 
 from __future__ import annotations
 
+import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvstore.api import NodeAddress
 from kvstore.errors import KVStoreError
 from kvstore.lru import MAX_NODES
 from kvstore.pool import PoolStats
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -102,3 +107,32 @@ class NodeTable:
 
     def by_slot(self) -> dict[int, NodeState]:
         return {n.slot: n for n in self.nodes.values()}
+
+
+class Reaper:
+    """Calls ``check`` every ``interval_s`` on a daemon thread.
+
+    Dead nodes are otherwise only noticed inside another node's heartbeat, so when the last
+    (or only) node dies nothing would ever drop its keys from the index.
+    """
+
+    def __init__(self, check: Callable[[], object], interval_s: float) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0 seconds, got {interval_s}")
+        self._check = check
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kvstore-reaper")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self._check()
+            except Exception as exc:  # an index hiccup must not end liveness checks for good
+                log.warning("kvstore liveness check failed: %s", exc)
+
+    def stop(self) -> None:
+        """Stop and wait for the thread (at most one interval)."""
+        self._stop.set()
+        self._thread.join(timeout=self._interval_s + 1.0)

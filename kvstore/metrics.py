@@ -61,6 +61,22 @@ POOL_PINNED_BLOCKS = Gauge("kvstore_pool_pinned_blocks", "Pinned blocks in a nod
                            ["node_id"], registry=REGISTRY)
 POOL_LEASED_BLOCKS = Gauge("kvstore_pool_leased_blocks", "Leased blocks in a node's pool",
                            ["node_id"], registry=REGISTRY)
+# The coordinator's view of the cluster (set in the coordinator actor's process).
+COORD_DRIFT = Counter("kvstore_coordinator_drift_blocks",
+                      "Index entries fixed when nodes re-announced (added: missing from the "
+                      "index, removed: the node no longer had them)", ["kind"], registry=REGISTRY)
+COORD_EVICT_ORDERS = Counter("kvstore_coordinator_evict_orders",
+                             "Blocks the coordinator ordered nodes to evict", registry=REGISTRY)
+COORD_REPLICATE_ORDERS = Counter("kvstore_coordinator_replicate_orders",
+                                 "Hot or soft-pinned blocks ordered copied to a reader's node",
+                                 registry=REGISTRY)
+COORD_NODES_DEAD = Counter("kvstore_coordinator_nodes_dead",
+                           "Store nodes declared dead after node_timeout_s of silence",
+                           registry=REGISTRY)
+COORD_NODES_ALIVE = Gauge("kvstore_coordinator_nodes_alive", "Store nodes heartbeating",
+                          registry=REGISTRY)
+COORD_PINS = Gauge("kvstore_coordinator_pins", "Pinned block keys", ["kind"],
+                   registry=REGISTRY)
 
 _servers: list[WSGIServer] = []
 
@@ -115,6 +131,21 @@ def observe_pool(node_id: str, stats: PoolStats) -> None:
     POOL_BLOCKS.labels(node_id=node_id).set(stats.num_blocks)
     POOL_PINNED_BLOCKS.labels(node_id=node_id).set(stats.num_pinned)
     POOL_LEASED_BLOCKS.labels(node_id=node_id).set(stats.num_leased)
+
+
+def observe_coordinator(nodes_alive: int, pins: dict[str, int]) -> None:
+    """Publish the coordinator's live-node count and pin counts (``{"hard": n, "soft": m}``)."""
+    COORD_NODES_ALIVE.set(nodes_alive)
+    for kind in ("hard", "soft"):
+        COORD_PINS.labels(kind=kind).set(pins.get(kind, 0))
+
+
+def record_drift(added: int, removed: int) -> None:
+    """Count index entries a reconcile added and removed."""
+    if added:
+        COORD_DRIFT.labels(kind="added").inc(added)
+    if removed:
+        COORD_DRIFT.labels(kind="removed").inc(removed)
 
 
 def forget_node(node_id: str) -> None:

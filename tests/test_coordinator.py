@@ -213,6 +213,71 @@ def test_hot_keys_and_soft_pins_replicate_to_the_reader_node() -> None:
     assert core.holders(hot) == [["a", "r"], ["a", "r"]]
 
 
+def wait_for(cond, timeout_s: float = 10.0) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_reaper_drops_the_only_node_without_any_heartbeat() -> None:
+    from kvstore.liveness import Reaper
+
+    clock = FakeClock()
+    core = make_core(clock=clock, node_timeout_s=5.0, heartbeat_interval_s=1.0)
+    chain = make_chain(3, "lone")
+    register(core, "lone", [chain])
+    reaper = Reaper(core.check_liveness, 0.01)
+    try:
+        time.sleep(0.05)
+        assert core.holders(chain) == [["lone"]] * 3  # not silent long enough yet
+        clock.now += 6  # nobody calls the core: only the reaper can notice
+        assert wait_for(lambda: core.holders(chain) == [[], [], []])
+        assert core.metrics["nodes_dead"] == 1
+    finally:
+        reaper.stop()
+
+
+def _sample(name: str, **labels: str) -> float:
+    from kvstore.metrics import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_prometheus_metrics_follow_drift_evictions_nodes_and_pins() -> None:
+    clock = FakeClock()
+    index = InMemoryIndex()
+    chain = make_chain(4, uuid.uuid4().hex)
+    drift = "kvstore_coordinator_drift_blocks_total"
+    added, removed = _sample(drift, kind="added"), _sample(drift, kind="removed")
+    evicts = _sample("kvstore_coordinator_evict_orders_total")
+    dead = _sample("kvstore_coordinator_nodes_dead_total")
+    first = make_core(index=index, clock=clock, node_timeout_s=100.0)
+    register(first, "a", [chain])
+    core = make_core(index=index, clock=clock, node_timeout_s=100.0)  # a restart: reconcile
+    register(core, "a", [chain[:3]])  # a lost chain[3] meanwhile
+    register(core, "b", [make_chain(2, "other")])
+    # first start: 4 missing from the index; restart: 1 the node no longer has; b: 2 new
+    assert _sample(drift, kind="added") == added + 6
+    assert _sample(drift, kind="removed") == removed + 1
+    assert _sample("kvstore_coordinator_nodes_alive") == 2
+    core.pin(chain[:1], hard=True, ttl_s=None)
+    core.pin(chain[1:3], hard=False, ttl_s=60.0)
+    assert _sample("kvstore_coordinator_pins", kind="hard") == 1
+    assert _sample("kvstore_coordinator_pins", kind="soft") == 2
+    core.heartbeat("a", make_stats(300, 290), [], {})  # over the high watermark
+    clock.now += 61  # soft pins expire
+    core.heartbeat("b", make_stats(1000, 0), [], {})
+    assert _sample("kvstore_coordinator_pins", kind="soft") == 0
+    clock.now += 200
+    assert core.check_liveness() == ["a", "b"]
+    assert _sample("kvstore_coordinator_nodes_alive") == 0
+    assert _sample("kvstore_coordinator_nodes_dead_total") == dead + 2
+    assert _sample("kvstore_coordinator_evict_orders_total") > evicts
+
+
 def test_bad_input_is_rejected_with_a_message() -> None:
     core = make_core()
     chain = make_chain(1, "bad")
@@ -279,6 +344,27 @@ def _restart_keeps_reannounced_blocks(config: KVStoreConfig, persistent: bool) -
     assert index.holders(chain[:1]) == [["a"]]
     drift = ray.get(handle.status.remote())["drift"]
     assert drift == {"added": 0 if persistent else 5, "removed": 0}
+    ray.kill(handle, no_restart=True)
+
+
+@pytest.mark.ray
+def test_actor_reaps_a_silent_node_with_no_heartbeats_at_all(ray_local: None) -> None:
+    import ray
+
+    from kvstore.coordinator_index import CoordinatorIndex
+
+    config = KVStoreConfig(coordinator=CoordinatorConfig(heartbeat_interval_s=0.1,
+                                                         node_timeout_s=0.5))
+    handle = _start_actor(config)
+    chain = make_chain(3, uuid.uuid4().hex)
+    ray.get(handle.register_node.remote("lone", NodeAddress("lone", "lone:1"), 1000,
+                                        make_entries("lone", chain)))
+    index = CoordinatorIndex(handle)  # lookups do not sweep: only the reaper can drop it
+    assert index.lookup_prefix(chain).num_blocks == 3
+    assert wait_for(lambda: index.lookup_prefix(chain).num_blocks == 0, 10.0)
+    text = ray.get(handle.metrics_text.remote())
+    assert "kvstore_coordinator_nodes_alive 0.0" in text
+    assert "kvstore_coordinator_nodes_dead_total 1.0" in text
     ray.kill(handle, no_restart=True)
 
 
