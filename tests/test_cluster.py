@@ -103,8 +103,8 @@ class Chain:
     tokens: list[list[int]]
     payloads: list[torch.Tensor]
 
-    def puts(self) -> list[BlockPut]:
-        parents = [NS.root] + self.keys[:-1]
+    def puts(self, ns: Namespace = NS) -> list[BlockPut]:
+        parents = [ns.root] + self.keys[:-1]
         return [BlockPut(k, p, t, x) for k, p, t, x in
                 zip(self.keys, parents, self.tokens, self.payloads, strict=True)]
 
@@ -114,12 +114,17 @@ _chain_ids = iter(range(1, 1 << 30))
 
 def make_chain(num_blocks: int) -> Chain:
     """A fresh token chain (never seen before in this module) with random KV."""
+    return make_chain_in(NS, num_blocks)
+
+
+def make_chain_in(ns: Namespace, num_blocks: int) -> Chain:
+    """``make_chain`` in another namespace (another tenant's salt)."""
     cid = next(_chain_ids)
     g = torch.Generator().manual_seed(cid)
-    tokens = [[cid * 100_000 + b * NS.block_size + t for t in range(NS.block_size)]
+    tokens = [[cid * 100_000 + b * ns.block_size + t for t in range(ns.block_size)]
               for b in range(num_blocks)]
-    keys = BlockHasher(NS).block_keys([t for blk in tokens for t in blk])
-    payloads = [torch.randn(NS.payload_shape, generator=g) for _ in range(num_blocks)]
+    keys = BlockHasher(ns).block_keys([t for blk in tokens for t in blk])
+    payloads = [torch.randn(ns.payload_shape, generator=g) for _ in range(num_blocks)]
     return Chain(list(keys), tokens, payloads)
 
 
@@ -241,6 +246,143 @@ def test_lease_of_a_dead_reader_expires(kv: KVStoreConfig, ray_nodes: list[str])
     assert client.evict(chain.keys[:1]) > 0  # the lease expired by itself
     client.close()
     store.close()
+
+
+def holder_sets(store, keys: list[bytes]) -> list[set[str]]:  # noqa: ANN001
+    return [set(h) for h in store.index.holders(keys)]
+
+
+def test_hot_block_read_from_another_node_is_replicated_there(
+        kv: KVStoreConfig, ray_nodes: list[str]) -> None:
+    a, b = ray_nodes
+    writer, far = reader(kv, a), reader(kv, b)
+    chain = make_chain(3)
+    writer.batch_put(NS, chain.puts())
+    for _ in range(kv.coordinator.hot_fetch_threshold):  # remote reads, named as node b's
+        got = far.batch_get(NS, chain.keys, chain.tokens)
+        assert all(isinstance(r, FetchedBlock) and r.node_id == a for r in got), got
+    wait_for(lambda: holder_sets(far, chain.keys) == [{a, b}] * 3, 10,
+             "the hot chain to be replicated to the reader's node")
+    assert set(chain.keys) <= pool_keys(b)
+    for store, own in ((far, b), (writer, a)):  # each reader now prefers its own node's copy
+        got = store.batch_get(NS, chain.keys, chain.tokens)
+        assert [r.node_id for r in got if isinstance(r, FetchedBlock)] == [own] * 3, got
+        assert_round_trip(store, chain)
+    writer.close()
+    far.close()
+
+
+def test_soft_pinned_block_is_replicated_on_its_first_remote_read(
+        kv: KVStoreConfig, ray_nodes: list[str]) -> None:
+    a, b = ray_nodes
+    writer, far = reader(kv, a), reader(kv, b)
+    chain = make_chain(2)
+    coordinator = cluster.coordinator_handle()
+    ray.get(coordinator.pin.remote(chain.keys[:1], hard=False, ttl_s=60.0))
+    writer.batch_put(NS, chain.puts())
+    assert all(isinstance(r, FetchedBlock) for r in far.batch_get(NS, chain.keys, chain.tokens))
+    wait_for(lambda: holder_sets(far, chain.keys[:1]) == [{a, b}], 10,
+             "the soft-pinned block to be replicated to the reader's node")
+    time.sleep(0.5)
+    assert holder_sets(far, chain.keys[1:]) == [{a}]  # read once, not pinned: not hot yet
+    ray.get(coordinator.unpin.remote(chain.keys[:1]))
+    writer.close()
+    far.close()
+
+
+def test_drain_moves_blocks_to_the_other_node(kv: KVStoreConfig, ray_nodes: list[str]) -> None:
+    a, b = ray_nodes
+    writer, rdr = reader(kv, a), reader(kv, b)
+    chain = make_chain(4)
+    writer.batch_put(NS, chain.puts())
+    coordinator = cluster.coordinator_handle()
+    assert ray.get(coordinator.drain.remote(a)) >= 4
+    try:
+        wait_for(lambda: holder_sets(rdr, chain.keys) == [{b}] * 4, 15,
+                 "the drained blocks to move to the other node")
+        wait_for(lambda: not set(chain.keys) & pool_keys(a), 10, "the drained node to let go")
+        for store in (rdr, writer):  # reads still verify, served by the new holder
+            got = store.batch_get(NS, chain.keys, chain.tokens)
+            assert [r.node_id for r in got if isinstance(r, FetchedBlock)] == [b] * 4, got
+            assert_round_trip(store, chain)
+    finally:
+        ray.get(coordinator.remove_node.remote(a))  # a re-registers fresh (not draining)
+        wait_for(lambda: a in ray.get(coordinator.directory.remote()), 15, "a to re-register")
+    assert not any(n.draining for n in ray.get(coordinator.nodes.remote()) if n.alive)
+    writer.close()
+    rdr.close()
+
+
+def test_invalidate_removes_one_namespace_everywhere_and_only_it(
+        kv: KVStoreConfig, ray_nodes: list[str]) -> None:
+    import dataclasses
+
+    a, b = ray_nodes
+    gone_ns = dataclasses.replace(NS, cache_salt="tenant-gone")
+    kept_ns = dataclasses.replace(NS, cache_salt="tenant-kept")
+    stores = {a: reader(kv, a), b: reader(kv, b)}
+    chains: dict[tuple[str, str], Chain] = {}
+    for node, store in stores.items():
+        for ns in (gone_ns, kept_ns):
+            ch = make_chain_in(ns, 3)
+            store.batch_put(ns, ch.puts(ns))
+            chains[(node, ns.cache_salt)] = ch
+    coordinator = cluster.coordinator_handle()
+    assert ray.get(coordinator.invalidate.remote(gone_ns.root)) == 6
+    rdr = stores[a]
+    gone = [k for (_, salt), ch in chains.items() if salt == "tenant-gone" for k in ch.keys]
+    kept = [k for (_, salt), ch in chains.items() if salt == "tenant-kept" for k in ch.keys]
+    assert holder_sets(rdr, gone) == [set()] * 6  # out of the index at once
+    wait_for(lambda: not set(gone) & (pool_keys(a) | pool_keys(b)), 10,
+             "the nodes to evict the invalidated namespace")
+    assert set(kept) <= pool_keys(a) | pool_keys(b)
+    for (node, salt), ch in chains.items():
+        ns = kept_ns if salt == "tenant-kept" else gone_ns
+        got = rdr.batch_get(ns, ch.keys, ch.tokens)
+        if salt == "tenant-kept":  # the other tenant's blocks survive, bitwise
+            assert [r.node_id for r in got if isinstance(r, FetchedBlock)] == [node] * 3
+            for r, want in zip(got, ch.payloads, strict=True):
+                assert torch.equal(r.payload.view(torch.int32), want.view(torch.int32))
+        else:
+            assert all(isinstance(r, Miss) for r in got)
+    for store in stores.values():
+        store.close()
+
+
+def test_full_pool_evicts_and_retries_or_refuses_when_all_pinned(
+        kv: KVStoreConfig, ray_nodes: list[str]) -> None:
+    # A cluster whose heartbeats never evict (high watermark 1.0), so only the full-pool path
+    # (PoolFull -> request_eviction -> evict -> retry) can make room.
+    small = load_config(env={}, overrides={
+        "pool": {"capacity_bytes": 31 * BLOCK + BLOCK // 2},  # 31 blocks fit
+        "coordinator": {"heartbeat_interval_s": 0.2, "node_timeout_s": 2.0,
+                        "high_watermark": 1.0, "low_watermark": 0.5, "lease_ttl_s": 2.0},
+    })
+    node = ray_nodes[1]
+    cluster.stop(kv)
+    cluster.start(small)
+    try:
+        store = reader(small, node)
+        coordinator = cluster.coordinator_handle()
+        pinned, loose, fresh = make_chain(20), make_chain(8), make_chain(6)
+        ray.get(coordinator.pin.remote(pinned.keys, hard=True, ttl_s=None))
+        store.batch_put(NS, pinned.puts())
+        store.batch_put(NS, loose.puts())  # 28 of 31 blocks used
+        store.batch_put(NS, fresh.puts())  # the 4th block does not fit: evict, retry
+        held = pool_keys(node)
+        assert set(pinned.keys) <= held and set(fresh.keys) <= held
+        left = [k in held for k in loose.keys]  # only these were evictable: tail first
+        assert not all(left) and left == sorted(left, reverse=True), left
+        assert ray.get(coordinator.status.remote())["metrics"]["eviction_requests"] >= 1
+        assert_round_trip(store, fresh)
+        ray.get(coordinator.pin.remote(fresh.keys, hard=True, ttl_s=None))
+        with pytest.raises(PoolFull, match="RESOURCE_EXHAUSTED.*nothing evictable"):
+            store.batch_put(NS, make_chain(6).puts())  # 26 pinned + 6 > 31
+        assert set(pinned.keys) | set(fresh.keys) <= pool_keys(node)  # pins held
+        store.close()
+    finally:
+        cluster.stop(small)
+        cluster.start(kv)
 
 
 # -- faults -----------------------------------------------------------------------------------
