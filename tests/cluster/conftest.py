@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import netns
-from tests.cluster.harness import RayCluster, boot_cluster
+from tests.cluster.harness import RayCluster, boot_cluster, kvstore_generate, kvstore_start
 
 RECOVERY_FILE = Path(tempfile.gettempdir()) / "kvstore-netns-recovery.json"
 
@@ -54,6 +55,26 @@ def ray_cluster(network: netns.Network, work_dir: Path) -> RayCluster:
     return boot_cluster(network, work_dir / "logs")
 
 
+#: Short client deadlines so a reader facing a cut link gives up in seconds and recomputes.
+JOB_CONFIG = "client:\n  timeout_s: 4\n  retries: 1\n"
+
+
+@pytest.fixture(scope="session")
+def job_config(work_dir: Path) -> Path:
+    """The --config of every job and of `kvstore start` (short client deadlines)."""
+    path = work_dir / "kvstore.yaml"
+    path.write_text(JOB_CONFIG)
+    return path
+
+
+@pytest.fixture(scope="session")
+def kvstore_cluster(ray_cluster: RayCluster, job_config: Path) -> RayCluster:
+    """kvstore started on the namespace cluster with Redis as index (as deploy/cluster.yaml)."""
+    proc = kvstore_start(ray_cluster, config=job_config)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return ray_cluster
+
+
 @pytest.fixture(scope="session")
 def recovery_log() -> Iterator[dict[str, float]]:
     """Recovery times by fault, written to /tmp/kvstore-netns-recovery.json for the notes."""
@@ -62,3 +83,51 @@ def recovery_log() -> Iterator[dict[str, float]]:
     if times:
         RECOVERY_FILE.write_text(json.dumps(times, indent=2, sort_keys=True))
         print(f"\nrecovery times (s): {times} -> {RECOVERY_FILE}")
+
+
+#: Prompt sets: each test publishes its own system prompt (three 32-token chunks, six blocks)
+#: so the blocks it reads or loses are its own; "fill" is many distinct prompts (eviction).
+PROMPT_SETS = {"base": 3, "cut": 30, "kill": 30, "coord": 3, "redis": 3}
+NUM_FILL_PROMPTS = 6
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, 500) for _ in range(n)]
+
+
+def make_prompts() -> dict[str, list[dict]]:
+    """Every prompt set, deterministic: {set: [{"id", "token_ids"}]}."""
+    rng = random.Random(1234)
+    sets: dict[str, list[dict]] = {}
+    for name, count in PROMPT_SETS.items():
+        system = _tokens(rng, 96)
+        sets[name] = [{"id": f"{name}-{i}", "token_ids": system + _tokens(rng, 20 + i)}
+                      for i in range(count)]
+    sets["fill"] = [{"id": f"fill-{i}", "token_ids": _tokens(rng, 130)}
+                    for i in range(NUM_FILL_PROMPTS)]
+    return sets
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    """One JSON object a line, as `kvstore generate --prompts` reads."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def prompt_files(work_dir: Path) -> dict[str, Path]:
+    """Each prompt set as a JSONL file on the shared filesystem (every host reads it)."""
+    return {name: write_jsonl(work_dir / f"prompts-{name}.jsonl", rows)
+            for name, rows in make_prompts().items()}
+
+
+@pytest.fixture(scope="session")
+def reference(kvstore_cluster: RayCluster, work_dir: Path, job_config: Path
+              ) -> dict[str, list[int]]:
+    """`--no-cache` outputs of every prompt (one job): {id: output_token_ids}."""
+    everything = [row for rows in make_prompts().values() for row in rows]
+    prompts = write_jsonl(work_dir / "prompts-all.jsonl", everything)
+    rows = kvstore_generate(kvstore_cluster, prompts, work_dir / "reference.jsonl",
+                            no_cache=True, config=job_config)
+    assert len(rows) == len(everything)
+    return {row["id"]: row["output_token_ids"] for row in rows}

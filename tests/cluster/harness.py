@@ -10,6 +10,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,10 @@ from tests.cluster.netns import Host, Network
 RAY_PORT = 6379  # the GCS keeps its conventional port: each host has its own port space
 DASHBOARD_PORT = 8265
 REDIS_PORT = 6380
+
+# Placement tags: prefill replicas go to h1, decode replicas to h2 (the `prefill` and `decode`
+# resources of deploy/cluster-aws.yaml and the KubeRay worker groups).
+ROLE_RESOURCES = {"h1": {"prefill": 1}, "h2": {"decode": 1}}
 
 # Short health checks so a cut link or a killed host is declared dead in seconds, not 30+.
 HEALTH_ENV = {
@@ -39,6 +44,7 @@ class RayCluster:
     redis_password: str
     logs: Path
     env: dict[str, str] = field(default_factory=dict)
+    redis: subprocess.Popen | None = None
 
     @property
     def head(self) -> Host:
@@ -74,7 +80,8 @@ def ray_start_argv(cluster: RayCluster, host: Host) -> list[str]:
     """`ray start --block` for this host: head on hosts[0], worker elsewhere; explicit ports."""
     common = ["--node-ip-address", host.ip, "--num-cpus", "2", "--object-store-memory",
               str(80 << 20), "--temp-dir", str(host.temp_dir / "ray"),
-              "--resources", json.dumps({f"host_{host.name}": 1}), "--block"]
+              "--resources", json.dumps({f"host_{host.name}": 1,
+                                         **ROLE_RESOURCES.get(host.name, {})}), "--block"]
     if host is cluster.head:
         return ["ray", "start", "--head", "--port", str(RAY_PORT), "--dashboard-host", host.ip,
                 "--dashboard-port", str(DASHBOARD_PORT), "--include-dashboard", "true",
@@ -94,6 +101,22 @@ def start_redis(cluster: RayCluster) -> subprocess.Popen:
             "--bind", cluster.head.ip, "127.0.0.1", "--requirepass", cluster.redis_password,
             "--save", "", "--appendonly", "no", "--dir", str(cluster.head.temp_dir)]
     return cluster.net.spawn(cluster.head, argv, cluster.logs / "redis.log", env=cluster.env)
+
+
+def restart_redis(cluster: RayCluster) -> None:
+    """Kill Redis (SIGKILL: a crash, and no persistence, so it comes back empty); start it."""
+    if cluster.redis is not None and cluster.redis.poll() is None:
+        os.killpg(cluster.redis.pid, signal.SIGKILL)
+        cluster.redis.wait(timeout=10)
+    cluster.redis = start_redis(cluster)
+
+
+def redis_ping(cluster: RayCluster) -> bool:
+    """Whether the private Redis answers (asked from the head host)."""
+    proc = in_host(cluster, cluster.head, "redis-cli", "-h", cluster.head.ip, "-p",
+                   str(REDIS_PORT), "-a", cluster.redis_password, "--no-auth-warning", "ping",
+                   timeout=10)
+    return proc.stdout.strip() == "PONG"
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.5):  # noqa: ANN001
@@ -141,7 +164,7 @@ def boot_cluster(net: Network, logs: Path) -> RayCluster:
     token = secrets.token_hex(32)
     cluster = RayCluster(net=net, token=token, redis_password=secrets.token_hex(16), logs=logs,
                          env=make_env(token))
-    start_redis(cluster)
+    cluster.redis = start_redis(cluster)
     start_node(cluster, cluster.head)
     for host in net.hosts[1:]:
         start_node(cluster, host)
@@ -151,27 +174,28 @@ def boot_cluster(net: Network, logs: Path) -> RayCluster:
     return cluster
 
 
-# --- kvstore steps (the CLI contract; switched on once `kvstore` has these subcommands) ---
+# --- kvstore steps: the CLI contract (`kvstore start/status/generate`) and probe.py ---
 
-KVSTORE_SUBCOMMANDS = ("start", "stop", "status", "generate")
-
-
-def kvstore_cli_ready() -> bool:
-    """True once the installed `kvstore` CLI has the subcommands the cluster tests drive."""
-    exe = shutil.which("kvstore")
-    if exe is None:
-        return False
-    try:
-        proc = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return proc.returncode == 0 and all(s in proc.stdout for s in KVSTORE_SUBCOMMANDS)
+PROBE = Path(__file__).resolve().parent / "probe.py"
+REPO = PROBE.parents[2]
+#: Small blocks and chunks keep the tiny model's jobs fast while a prompt spans several chunks.
+GENERATE_FLAGS = ["--model", "tiny", "--block-size", "16", "--chunk-tokens", "32",
+                  "--max-new-tokens", "4"]
 
 
-def kvstore_start(cluster: RayCluster, capacity: str = "256MiB") -> subprocess.CompletedProcess:
+def kvstore_start(cluster: RayCluster, capacity: str = "256MiB",
+                  config: Path | None = None) -> subprocess.CompletedProcess:
     """`kvstore start` on the head against the private Redis (as deploy/cluster.yaml does)."""
+    extra = ["--config", str(config)] if config is not None else []
     return in_host(cluster, cluster.head, "kvstore", "start", "--redis", cluster.redis_url,
-                   "--capacity", capacity, "--address", cluster.gcs_address, timeout=180)
+                   "--capacity", capacity, "--address", cluster.gcs_address, *extra,
+                   timeout=180)
+
+
+def kvstore_stop(cluster: RayCluster) -> subprocess.CompletedProcess:
+    """`kvstore stop` on the head."""
+    return in_host(cluster, cluster.head, "kvstore", "stop", "--address", cluster.gcs_address,
+                   timeout=120)
 
 
 def kvstore_status(cluster: RayCluster) -> dict:
@@ -183,18 +207,58 @@ def kvstore_status(cluster: RayCluster) -> dict:
     return json.loads(proc.stdout)
 
 
-def kvstore_generate(cluster: RayCluster, prompts: Path, output: Path, *, no_cache: bool = False,
-                     prefill: int = 1, decode: int = 1,
-                     from_host: Host | None = None) -> list[dict]:
-    """`ray job submit -- kvstore generate ...`; returns the output JSONL objects by id order."""
+def probe(cluster: RayCluster, *args: str, timeout: float = 150.0) -> dict:
+    """Run tests/cluster/probe.py inside the head host; its PROBE= line parsed."""
+    proc = in_host(cluster, cluster.head, "python3", str(PROBE), *args, timeout=timeout,
+                   env={**cluster.env, "RAY_ADDRESS": cluster.gcs_address,
+                        "PYTHONPATH": str(REPO)})
+    for line in proc.stdout.splitlines():
+        if line.startswith("PROBE="):
+            return json.loads(line[len("PROBE="):])
+    raise RuntimeError(f"probe {args} failed ({proc.returncode}): {proc.stderr[-3000:]}")
+
+
+def node_of_ip(snapshot: dict, ip: str) -> str:
+    """The store node id on the host with address ``ip`` in a probe snapshot."""
+    ids = [node_id for node_id, node in snapshot.items() if node["ip"] == ip]
+    if len(ids) != 1:
+        raise AssertionError(f"expected one store node on {ip}, found {ids} in {snapshot}")
+    return ids[0]
+
+
+def generate_argv(prompts: Path, output: Path, *, no_cache: bool = False,
+                  prefill_resource: str | None = "prefill",
+                  decode_resource: str | None = "decode", config: Path | None = None,
+                  prefill: int = 1, decode: int = 1) -> list[str]:
+    """The `kvstore generate` entrypoint: prefill replicas on h1, decode replicas on h2."""
     entry = ["kvstore", "generate", "--prompts", str(prompts), "--prefill-replicas",
-             str(prefill), "--decode-replicas", str(decode), "--model", "tiny",
+             str(prefill), "--decode-replicas", str(decode), *GENERATE_FLAGS,
              "--output", str(output)]
+    if prefill_resource:
+        entry += ["--prefill-resource", prefill_resource]
+    if decode_resource:
+        entry += ["--decode-resource", decode_resource]
+    if config is not None:
+        entry += ["--config", str(config)]
     if no_cache:
         entry.append("--no-cache")
-    proc = job_submit(cluster, entry, from_host=from_host)
+    return entry
+
+
+def read_rows(output: Path) -> list[dict]:
+    """A generate output JSONL, sorted by request id."""
+    rows = [json.loads(line) for line in output.read_text().splitlines() if line.strip()]
+    return sorted(rows, key=lambda r: str(r["id"]))
+
+
+def kvstore_generate(cluster: RayCluster, prompts: Path, output: Path, *,
+                     from_host: Host | None = None, timeout: float = 240.0,
+                     **kwargs) -> list[dict]:  # noqa: ANN003 - generate_argv's options
+    """`ray job submit -- kvstore generate ...`; returns the output JSONL objects by id order."""
+    output.unlink(missing_ok=True)
+    proc = job_submit(cluster, generate_argv(prompts, output, **kwargs), from_host=from_host,
+                      timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"kvstore generate job failed: {proc.stdout[-3000:]}"
                            f"{proc.stderr[-2000:]}")
-    rows = [json.loads(line) for line in output.read_text().splitlines() if line.strip()]
-    return sorted(rows, key=lambda r: str(r["id"]))
+    return read_rows(output)
