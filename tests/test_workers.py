@@ -157,6 +157,11 @@ def test_ray_job_submit_generate_on_a_local_head(tmp_path):
     head = subprocess.Popen(
         ["ray", "start", "--head", "--block", f"--port={gcs}", "--include-dashboard=true",
          f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=2",
+         # Every agent port explicit: the defaults (52365, ...) may be held by another Ray
+         # instance on the machine (this session's own), and then no job agent ever registers.
+         f"--dashboard-agent-listen-port={_free_port()}",
+         f"--dashboard-agent-grpc-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+         f"--runtime-env-agent-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
          f"--temp-dir={ray_tmp}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     try:
