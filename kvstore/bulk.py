@@ -203,6 +203,10 @@ class BulkServer:
             return False
         try:
             where = {loc.key: loc for loc in lease.locations}
+            # Reported before the bytes go out, so a reader that has its blocks can rely on the
+            # read being counted (hot-prefix replication; tests that check it do not race).
+            if self.on_read is not None and where:
+                self.on_read([k for k in keys if k in where], reader)
             locs = [where.get(k) for k in keys]
             table = struct.pack(f"<I{len(keys)}Q", len(keys),
                                 *(MISSING if loc is None else loc.nbytes for loc in locs))
@@ -212,8 +216,6 @@ class BulkServer:
                 conn.sendfile(arena, offset, nbytes)
                 total += nbytes
             count_out("bulk", len(where), total)
-            if self.on_read is not None and where:
-                self.on_read([k for k in keys if k in where], reader)
         finally:
             self.pool.release(lease.lease_id)
         return True
