@@ -130,7 +130,9 @@ def _as_bytes_view(buf: object) -> memoryview:
     if isinstance(buf, torch.Tensor):
         if not buf.is_contiguous() or buf.device.type != "cpu":
             raise ValueError("block buffer tensor must be a contiguous CPU tensor")
-        return memoryview(buf.numpy()).cast("B")
+        # Through uint8: numpy has no bfloat16, and a byte view is what the codec wants anyway.
+        raw: np.ndarray = buf.reshape(-1).view(torch.uint8).numpy()
+        return memoryview(raw)  # type: ignore[arg-type]
     view = memoryview(buf)  # type: ignore[arg-type]
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
