@@ -9,6 +9,7 @@ raised. A fetch either returns whole blocks or raises: a node that dies mid-stre
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kvstore.block import verify_block
 from kvstore.bulk import BulkClient, count_in
 from kvstore.config import ClientConfig
 from kvstore.errors import (
@@ -148,6 +150,8 @@ class StoreNodeClient:
                                 reader_node_id=self.reader_node_id) if bulk_address else None
         self._shm: Any = None
         self._shm_lock = threading.Lock()
+        self._pending: set[Any] = set()  # release futures still in flight
+        self._pending_lock = threading.Lock()
 
     @property
     def has_bulk(self) -> bool:
@@ -274,23 +278,86 @@ class StoreNodeClient:
                 self._shm = ShmReader(self.shm_path)  # type: ignore[arg-type]
             return self._shm
 
-    def _shm_get_into(self, keys: list[bytes], buffers: Sequence[Buffer]) -> list[int | None]:
+    def get_verified_into(self, namespace: Namespace, keys: Sequence[bytes],
+                          token_ids: Sequence[Any], buffers: Sequence[Buffer]
+                          ) -> list[int | KVStoreError | None]:
+        """Fetch and verify blocks into the caller's buffers, in order.
+
+        Per key: the block's size (verified: header, tokens, checksum), the ``BlockCorrupted``
+        / ``BlockMismatch`` / ``NamespaceMismatch`` that rejected it, or None (not held).
+        Same node this is one pass over the bytes (copy and hash together); remote blocks
+        are verified after they land, since the wire, not memory, is then the bound.
+        """
+        if not len(keys) == len(token_ids) == len(buffers):
+            raise ValueError(f"{len(keys)} keys, {len(token_ids)} token lists and "
+                             f"{len(buffers)} buffers: one of each per block")
+        keys = [bytes(k) for k in keys]
+        if self.same_node:
+            return self._shm_get_into(keys, buffers, namespace, token_ids)
+        sizes = self.get_blocks_into(keys, buffers)
+        out: list[int | KVStoreError | None] = []
+        for key, tokens, buf, size in zip(keys, token_ids, buffers, sizes, strict=True):
+            if size is None:
+                out.append(None)
+                continue
+            try:
+                verify_block(_byte_view(buf)[:size], namespace, key, tokens)
+            except (BlockCorrupted, BlockMismatch) as exc:  # NamespaceMismatch is a Mismatch
+                out.append(exc)
+                continue
+            out.append(size)
+        return out
+
+    def _shm_get_into(self, keys: list[bytes], buffers: Sequence[Buffer],
+                      namespace: Namespace | None = None,
+                      token_ids: Sequence[Any] | None = None
+                      ) -> list[Any]:
+        """Lease, copy each block once out of the holder's arena (verifying it in the same
+        pass when ``namespace`` is given), then release without waiting for the reply."""
+        granted = time.monotonic()  # before the call: the node's clock starts no earlier
         lease = self.lease(keys, self.lease_ttl_s)
-        renewer = LeaseRenewer(self, lease.lease_id, self.lease_ttl_s)
         try:
             reader = self._reader()
             where = {loc.key: loc for loc in lease.locations}
-            sizes: list[int | None] = []
-            for key, buf in zip(keys, buffers, strict=True):
+            # Renew inline, between blocks, once a third of the TTL has gone: a block copies
+            # in milliseconds, and a renewal thread per fetch would cost more than it saves.
+            out: list[Any] = []
+            nbytes = 0
+            for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
+                if time.monotonic() - granted > self.lease_ttl_s / 3:
+                    renewing = time.monotonic()
+                    self._renew_or_lost(lease.lease_id)
+                    granted = renewing
                 loc = where.get(key)
-                sizes.append(None if loc is None else reader.copy_into(loc, buf))
-            if renewer.lost:
+                if loc is None:
+                    out.append(None)
+                elif namespace is None:
+                    out.append(reader.copy_into(loc, buf))
+                    nbytes += loc.nbytes
+                else:
+                    tokens = None if token_ids is None else token_ids[i]
+                    try:
+                        reader.copy_verified_into(loc, buf, namespace, tokens)
+                    except (BlockCorrupted, BlockMismatch) as exc:
+                        # Without its traceback: the frames hold views of the mapped arena,
+                        # which would keep the mapping from ever closing.
+                        out.append(exc.with_traceback(None))
+                        continue
+                    out.append(loc.nbytes)
+                    nbytes += loc.nbytes
+            if time.monotonic() - granted >= self.lease_ttl_s:  # stalled past the TTL mid-copy
                 raise LeaseExpired(f"lease {lease.lease_id} on {self.address} ended mid-copy")
-            count_in("shm", len(where), sum(s for s in sizes if s is not None))
-            return sizes
+            count_in("shm", len(where), nbytes)
+            return out
         finally:
-            renewer.stop()
-            self.release(lease.lease_id)
+            self.release_nowait(lease.lease_id)
+
+    def _renew_or_lost(self, lease_id: str) -> None:
+        try:
+            self.renew(lease_id, self.lease_ttl_s)
+        except KVStoreError as exc:
+            raise LeaseExpired(f"lease {lease_id} on {self.address} ended mid-copy: "
+                               f"{exc}") from exc
 
     # -- leases -----------------------------------------------------------------------------
     def lease(self, keys: Sequence[bytes], ttl_s: float) -> LeaseInfo:
@@ -309,6 +376,20 @@ class StoreNodeClient:
     def release(self, lease_id: str) -> None:
         """End a lease (idempotent)."""
         self._unary(self._stub.ReleaseLease, pb.ReleaseLeaseRequest(lease_id=lease_id))
+
+    def release_nowait(self, lease_id: str) -> None:
+        """End a lease without waiting for the reply: the bytes are already copied, and a
+        release that fails costs nothing but the lease running to its TTL."""
+        fut = self._stub.ReleaseLease.future(pb.ReleaseLeaseRequest(lease_id=lease_id),
+                                             timeout=self.config.timeout_s,
+                                             metadata=self._metadata)
+        with self._pending_lock:  # gRPC cancels a call whose future is garbage-collected
+            self._pending.add(fut)
+        fut.add_done_callback(self._forget_pending)
+
+    def _forget_pending(self, fut: Any) -> None:
+        with self._pending_lock:
+            self._pending.discard(fut)
 
     # -- admin ------------------------------------------------------------------------------
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
@@ -342,6 +423,11 @@ class StoreNodeClient:
 
     def close(self) -> None:
         """Close the channel, idle bulk connections and the shared-memory mapping."""
+        with self._pending_lock:
+            pending = list(self._pending)
+        for fut in pending:  # let in-flight releases land rather than leave leases to expire
+            with contextlib.suppress(Exception):
+                fut.result(timeout=1.0)
         self._channel.close()
         if self._bulk is not None:
             self._bulk.close()
@@ -370,25 +456,3 @@ def _byte_view(buf: Buffer) -> memoryview:
     if view.readonly:
         raise ValueError("destination buffer must be writable")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-class LeaseRenewer:
-    """Renews a lease every third of its TTL while a long copy runs."""
-
-    def __init__(self, client: StoreNodeClient, lease_id: str, ttl_s: float) -> None:
-        self.lost = False
-        self._client, self._lease_id, self._ttl = client, lease_id, ttl_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="kvstore-renew")
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._ttl / 3):
-            try:
-                self._client.renew(self._lease_id, self._ttl)
-            except KVStoreError:
-                self.lost = True
-                return
-
-    def stop(self) -> None:
-        self._stop.set()

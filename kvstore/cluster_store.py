@@ -2,11 +2,12 @@
 
 ``batch_get`` groups keys by holder (the reader's own node first, then any other holder),
 copies each block once into a buffer the caller will own (same node: from the holder's shared
-memory under a lease; other nodes: the bulk channel or gRPC), verifies it against the key and
-tokens asked for, and returns a view into that buffer. Whatever goes wrong with a block or a
-node becomes a ``Miss`` with a reason: a worker recomputes, it never fails or uses wrong KV.
-Same node is decided by node id (the Ray node), not by whether ``/dev/shm`` happens to be
-shared.
+memory under a lease, hashing each piece while it is cache-hot, so copy and verification are one
+pass; other nodes: the bulk channel or gRPC, then verification), and returns a view into that
+buffer: one ``[n, block_nbytes]`` tensor per batch, or the caller's own (``batch_get_into``).
+Whatever goes wrong with a block or a node becomes a ``Miss`` with a reason: a worker
+recomputes, it never fails or uses wrong KV. Same node is decided by node id (the Ray node),
+not by whether ``/dev/shm`` happens to be shared.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from kvstore.api import (
     PrefixHit,
     TokenIds,
 )
-from kvstore.block import block_nbytes, decode_block, encode_block_into
+from kvstore.block import block_nbytes, encode_block_into, payload_offset
 from kvstore.client import StoreNodeClient
 from kvstore.config import ClientConfig
 from kvstore.errors import (
@@ -74,6 +75,22 @@ class ClusterStore:
                   token_ids: Sequence[TokenIds]) -> list[FetchedBlock | Miss]:
         if len(keys) != len(token_ids):
             raise ValueError(f"{len(keys)} keys but {len(token_ids)} token lists")
+        # One allocation for the batch, not one per block: the payloads are views into it.
+        out = torch.empty((len(keys), block_nbytes(namespace)), dtype=torch.uint8)
+        return self.batch_get_into(namespace, keys, token_ids, out)
+
+    def batch_get_into(self, namespace: Namespace, keys: Sequence[bytes],
+                       token_ids: Sequence[TokenIds], out: torch.Tensor
+                       ) -> list[FetchedBlock | Miss]:
+        """``batch_get`` into a caller-owned ``[n, block_nbytes]`` uint8 CPU tensor.
+
+        Block ``i`` lands in row ``i`` and its payload is a view into that row, so reusing
+        ``out`` across requests skips the page faults of fresh memory; the caller must not
+        overwrite a row while the payload viewing it is still in use.
+        """
+        if len(keys) != len(token_ids):
+            raise ValueError(f"{len(keys)} keys but {len(token_ids)} token lists")
+        _check_out(out, len(keys), block_nbytes(namespace))
         keys = [bytes(k) for k in keys]
         results: list[FetchedBlock | Miss | None] = [None] * len(keys)
         try:
@@ -91,15 +108,16 @@ class ClusterStore:
             if not groups:
                 break
             for node, idxs in groups.items():
-                self._fetch_group(namespace, node, idxs, keys, token_ids, results, last_miss)
-        out: list[FetchedBlock | Miss] = []
+                self._fetch_group(namespace, node, idxs, keys, token_ids, out, results,
+                                  last_miss)
+        fetched: list[FetchedBlock | Miss] = []
         for i, r in enumerate(results):
             if r is None:
                 r = last_miss.get(i) or Miss(keys[i], MISS_NOT_FOUND, "no node holds it")
                 metrics.record_miss(r.reason)
-            out.append(r)
-        metrics.record_hits(sum(isinstance(r, FetchedBlock) for r in out))
-        return out
+            fetched.append(r)
+        metrics.record_hits(sum(isinstance(r, FetchedBlock) for r in fetched))
+        return fetched
 
     def batch_put(self, namespace: Namespace, blocks: Sequence[BlockPut]) -> None:
         if not blocks:
@@ -150,15 +168,18 @@ class ClusterStore:
             client.close()
 
     def _fetch_group(self, namespace: Namespace, node: str, idxs: list[int], keys: list[bytes],
-                     token_ids: Sequence[TokenIds], results: list[Any],
+                     token_ids: Sequence[TokenIds], out: torch.Tensor, results: list[Any],
                      last_miss: dict[int, Miss]) -> None:
         nbytes = block_nbytes(namespace)
-        # The caller will own these: the returned payloads are views into them (one copy).
-        buffers = [torch.empty(nbytes, dtype=torch.uint8) for _ in idxs]
+        start = payload_offset(namespace)
+        end = start + namespace.payload_nbytes
         t0 = time.perf_counter()
         try:
             client = self._client(node)
-            sizes = client.get_blocks_into([keys[i] for i in idxs], buffers)
+            # Verified by the client: same node in the same pass as the copy.
+            got = client.get_verified_into(namespace, [keys[i] for i in idxs],
+                                           [token_ids[i] for i in idxs],
+                                           [out[i, :nbytes] for i in idxs])
         except LeaseExpired as exc:
             for i in idxs:
                 last_miss[i] = Miss(keys[i], MISS_LEASE_EXPIRED, str(exc))
@@ -171,21 +192,30 @@ class ClusterStore:
             return
         path = "shm" if client.same_node else ("bulk" if client.has_bulk else "grpc")
         metrics.observe_fetch(path, time.perf_counter() - t0)
-        for i, buf, size in zip(idxs, buffers, sizes, strict=True):
-            if size is None:
+        for i, outcome in zip(idxs, got, strict=True):
+            if outcome is None:
                 last_miss[i] = Miss(keys[i], MISS_NOT_FOUND, f"{node[:12]} no longer holds it")
-                continue
-            try:
-                payload = decode_block(buf[:size], namespace, keys[i], token_ids[i])
-            except BlockCorrupted as exc:
-                last_miss[i] = Miss(keys[i], MISS_CORRUPTED, f"{node[:12]}: {exc}")
+            elif isinstance(outcome, BlockCorrupted):
+                last_miss[i] = Miss(keys[i], MISS_CORRUPTED, f"{node[:12]}: {outcome}")
                 metrics.record_rejected(MISS_CORRUPTED)
-                continue
-            except BlockMismatch as exc:
-                last_miss[i] = Miss(keys[i], MISS_MISMATCH, f"{node[:12]}: {exc}")
+            elif isinstance(outcome, BlockMismatch):  # NamespaceMismatch included
+                last_miss[i] = Miss(keys[i], MISS_MISMATCH, f"{node[:12]}: {outcome}")
                 metrics.record_rejected(MISS_MISMATCH)
-                continue
-            results[i] = FetchedBlock(keys[i], payload, node)
+            else:
+                payload = out[i, start:end].view(namespace.torch_dtype)
+                results[i] = FetchedBlock(keys[i], payload.view(namespace.payload_shape), node)
+
+
+def _check_out(out: torch.Tensor, num_blocks: int, nbytes: int) -> None:
+    """Reject an ``out`` buffer that cannot hold the batch, saying what shape it needs."""
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 2 \
+            or out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError("out must be a contiguous 2-D uint8 CPU tensor "
+                         f"[num_blocks, {nbytes}], e.g. torch.empty(({num_blocks}, {nbytes}), "
+                         "dtype=torch.uint8)")
+    if out.shape[0] < num_blocks or out.shape[1] < nbytes:
+        raise ValueError(f"out has shape {tuple(out.shape)}; this batch needs at least "
+                         f"[{num_blocks}, {nbytes}]")
 
 
 def _resolver(directory: Directory) -> Callable[[str], NodeAddress]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from kvstore.api import (
     Miss,
     NodeAddress,
 )
-from kvstore.block import payload_view
+from kvstore.block import block_nbytes, payload_view
 from kvstore.cluster_store import ClusterStore
 from kvstore.config import ClientConfig, ServerConfig
 from kvstore.index import InMemoryIndex
@@ -120,3 +121,47 @@ def test_falls_back_to_another_holder(cluster) -> None:
     store = ClusterStore("node-a", index, directory.__getitem__, FAST)
     got = store.batch_get(ns, keys, tokens)
     assert [g.node_id for g in got if isinstance(g, FetchedBlock)] == ["node-b", "node-b"]
+
+
+@pytest.mark.parametrize("reader", ["node-a", "node-b"])  # same node (shm) and remote (bulk)
+def test_batch_get_into_reuses_the_callers_rows(cluster, reader: str) -> None:
+    index, nodes, directory = cluster
+    ns = make_namespace()
+    puts, tokens = make_puts(ns, 3)
+    ClusterStore("node-a", index, directory.__getitem__, FAST).batch_put(ns, puts)
+    keys = [p.key for p in puts]
+    store = ClusterStore(reader, index, directory.__getitem__, FAST)
+    out = torch.full((4, block_nbytes(ns)), 0xAB, dtype=torch.uint8)  # one spare row
+    for order in ([0, 1, 2], [2, 0, 1]):  # the same buffer, refilled in another order
+        wrong = [[t + 1 for t in tokens[i]] if i == 1 else tokens[i] for i in order]
+        got = store.batch_get_into(ns, [keys[i] for i in order], wrong, out)
+        for row, (i, g) in enumerate(zip(order, got, strict=True)):
+            if i == 1:  # wrong tokens: rejected on both paths, same node included
+                assert isinstance(g, Miss) and g.reason == MISS_MISMATCH
+                continue
+            assert isinstance(g, FetchedBlock)
+            assert torch.equal(g.payload.view(torch.int16), puts[i].payload.view(torch.int16))
+            base, end = out[row].data_ptr(), out[row].data_ptr() + block_nbytes(ns)
+            assert base <= g.payload.data_ptr() < end  # a view into the caller's row
+    assert torch.all(out[3] == 0xAB)  # rows past the batch are left alone
+    # The lease of a same-node read is released without the reader waiting for the reply.
+    deadline = time.monotonic() + 5
+    while nodes["node-a"][1].stats().num_leased and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert nodes["node-a"][1].stats().num_leased == 0
+    store.close()
+
+
+def test_batch_get_into_rejects_unusable_buffers(cluster) -> None:
+    index, _, directory = cluster
+    ns = make_namespace()
+    store = ClusterStore("node-a", index, directory.__getitem__, FAST)
+    keys, tokens = [b"\1" * 32, b"\2" * 32], [[0] * ns.block_size] * 2
+    nbytes = block_nbytes(ns)
+    for bad in (torch.empty((1, nbytes), dtype=torch.uint8),       # too few rows
+                torch.empty((2, nbytes - 1), dtype=torch.uint8),   # rows too short
+                torch.empty((2, nbytes), dtype=torch.float16),     # not bytes
+                torch.empty((nbytes, 2), dtype=torch.uint8).t()):  # not contiguous
+        with pytest.raises(ValueError, match="out"):
+            store.batch_get_into(ns, keys, tokens, bad)
+    store.close()
