@@ -29,8 +29,8 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
     return parser.parse_args()
 
 
-def best_of(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
-    """Best wall time of ``repeats`` calls, in seconds (the least disturbed run)."""
+def timings(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall times of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones, in seconds."""
     for _ in range(warmup):
         fn()
     times = []
@@ -38,19 +38,17 @@ def best_of(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return times
+
+
+def best_of(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """Best wall time of ``repeats`` calls, in seconds (the least disturbed run)."""
+    return min(timings(fn, repeats, warmup))
 
 
 def median_of(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
     """Median wall time of ``repeats`` calls, in seconds."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(timings(fn, repeats, warmup))
 
 
 def report(title: str, rows: list[tuple[str, str, str]], figures: dict[str, Any],
