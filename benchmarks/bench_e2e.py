@@ -1,19 +1,26 @@
 """End to end: a shared system prompt, cold vs warm TTFT, decode on fetched vs local KV.
 
-Runs the engine in-process over a LocalStore (the store's own benchmarks cover the network
-path), on the ``small`` preset: one cold request publishes the system prompt, then requests
-with 32-64-token suffixes reuse it. Decode speed is measured per step on KV reassembled from
-fetched blocks (``paged_cache_load``) against the prefill's own, locally computed KV.
+Runs the engines in this process over the real store by default (``--store cluster``: a
+private local Ray, the coordinator, a store node, and ``kvstore.cluster.connect()`` — index
+lookups through the coordinator, leases over gRPC, same-node copies out of shared memory), or
+over an in-process LocalStore (``--store local``), on the ``small`` preset: one cold request
+publishes the system prompt, then requests with 32-64-token suffixes reuse it. Decode speed
+is measured per step on KV reassembled from fetched blocks (``paged_cache_load``) against the
+prefill's own, locally computed KV.
 """
 
 from __future__ import annotations
 
+import argparse
+import logging
 import statistics
+from collections.abc import Callable
 
 import torch
 
 from benchmarks.common import parse_args, report
-from kvstore.config import WorkerConfig
+from kvstore.api import KVStore
+from kvstore.config import KVStoreConfig, WorkerConfig
 from kvstore.local import LocalStore
 from workers.engine import Engine, SamplingParams
 from workers.model import load_model
@@ -24,14 +31,41 @@ def make_tokens(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
+def _store_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", choices=("cluster", "local"), default="cluster",
+                        help="cluster: the real store on a private local Ray; local: in-process")
+
+
+def open_store(kind: str) -> tuple[KVStore, Callable[[], None]]:
+    """The store the engines use, and how to tear it down."""
+    if kind == "local":
+        return LocalStore(), lambda: None
+    import ray
+
+    from kvstore import cluster
+
+    ray.init(address="local", namespace=cluster.RAY_NAMESPACE, include_dashboard=False,
+             logging_level=logging.WARNING, log_to_driver=False)
+    config = KVStoreConfig()
+    cluster.start(config)
+    store = cluster.connect(config)
+
+    def close() -> None:
+        store.close()
+        cluster.stop(config)
+        ray.shutdown()
+
+    return store, close
+
+
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], _store_flag)
     system_tokens, num_requests, new_tokens = (512, 4, 16) if args.quick else (2048, 8, 32)
     config = WorkerConfig(model="small", block_size=16, prefill_chunk_tokens=256,
                           num_threads=2, max_new_tokens=new_tokens)
     model = load_model("small", seed=0, num_threads=config.num_threads)
     vocab = model.shape.vocab_size
-    store = LocalStore()
+    store, close_store = open_store(args.store)
     prefill, decode = Engine(model, store, config), Engine(model, store, config)
     sampling = SamplingParams(max_new_tokens=new_tokens)
     system = make_tokens(system_tokens, 1, vocab)
@@ -52,6 +86,7 @@ def main() -> None:
         bytes_per_request.append(pre.bytes_fetched + dec.bytes_fetched)
         matches.append(dec.output_token_ids == local.output_token_ids)
 
+    close_store()
     warm = statistics.median(warm_ttft)
     fetched, local_s = statistics.median(fetched_tps), statistics.median(local_tps)
     figures = {
@@ -62,8 +97,9 @@ def main() -> None:
         "ratio_decode_fetched_vs_local": fetched / local_s,
         "bytes_fetched_per_request": statistics.median(bytes_per_request),
         "outputs_match": all(matches),
+        "store": args.store,
     }
-    report("end to end (small preset, in-process store)", [
+    report(f"end to end (small preset, {args.store} store)", [
         ("TTFT cold (s)", f"{cold.ttft_s:.3f}", ""),
         ("TTFT warm, median (s)", f"{warm:.3f}", ""),
         ("cold / warm TTFT", f"{figures['ratio_cold_vs_warm_ttft']:.1f}x", ">= 20"),
