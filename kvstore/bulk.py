@@ -56,6 +56,8 @@ LEASE_TTL_S = 120.0  # outlives SEND_TIMEOUT_S; released explicitly once the sen
 _REQ = struct.Struct("<4sI")
 _RESP = struct.Struct("<4sBI")
 _COUNT = struct.Struct("<I")
+_MAX_AHEAD_BYTES = 64 << 10  # requests in flight must fit the peer's socket buffer
+_IOV_MAX = 1024  # Linux's UIO_MAXIOV: buffers per recvmsg_into call
 
 
 def set_kernel_timeouts(sock: socket.socket, recv_s: float, send_s: float) -> None:
@@ -82,6 +84,44 @@ def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         if r == 0:
             raise NodeUnavailable(f"bulk peer closed the connection after {got}/{n} bytes")
         got += r
+
+
+def _recv_exact_into_many(sock: socket.socket, views: list[memoryview]) -> None:
+    """Fill every view in order, scattering with ``recvmsg_into`` (one syscall and one wake-up
+    for a whole batch rather than one per block: at 64 KiB blocks those dominated)."""
+    if isinstance(sock, ssl.SSLSocket):  # TLS has no scatter read
+        for view in views:
+            _recv_exact_into(sock, view)
+        return
+    i = 0
+    while i < len(views):
+        batch = views[i : i + _IOV_MAX]
+        try:
+            got = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
+        except OSError as exc:  # includes socket.timeout
+            raise NodeUnavailable(f"bulk connection failed mid-stream: {exc}") from exc
+        if got == 0:
+            raise NodeUnavailable("bulk peer closed the connection mid-stream")
+        # Skip the views filled whole; finish a partly filled one on its own, then go on.
+        while got and i < len(views) and got >= len(views[i]):
+            got -= len(views[i])
+            i += 1
+        if got:
+            _recv_exact_into(sock, views[i][got:])
+            i += 1
+
+
+def _shifted(alloc: Callable[[int, int], memoryview], lo: int
+             ) -> Callable[[int, int], memoryview]:
+    """``alloc`` for the request that starts at key ``lo`` of the call."""
+    return lambda i, nbytes: alloc(lo + i, nbytes)
+
+
+def _send_all(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError as exc:
+        raise NodeUnavailable(f"bulk connection failed mid-stream: {exc}") from exc
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -210,7 +250,13 @@ class BulkServer:
             locs = [where.get(k) for k in keys]
             table = struct.pack(f"<I{len(keys)}Q", len(keys),
                                 *(MISSING if loc is None else loc.nbytes for loc in locs))
-            conn.sendall(_RESP.pack(MAGIC, STATUS_OK, 0) + table)
+            head = _RESP.pack(MAGIC, STATUS_OK, 0) + table
+            if where and not isinstance(conn, ssl.SSLSocket):
+                # MSG_MORE: the header leaves with the first payload bytes, not as a tiny
+                # segment of its own that wakes the reader for nothing (TCP_NODELAY is on).
+                conn.sendall(head, socket.MSG_MORE)
+            else:
+                conn.sendall(head)
             total = 0
             for offset, nbytes in _coalesce([loc for loc in locs if loc is not None]):
                 conn.sendfile(arena, offset, nbytes)
@@ -237,8 +283,10 @@ class BulkClient:
 
     def __init__(self, address: str, *, auth_token: str | None = None,
                  tls_ca_file: str | None = None, timeout_s: float = 30.0,
-                 server_hostname: str | None = None, reader_node_id: str = "") -> None:
+                 server_hostname: str | None = None, reader_node_id: str = "",
+                 request_blocks: int = 32, pipeline_depth: int = 4) -> None:
         host, _, port = address.rpartition(":")
+        self.request_blocks, self.pipeline_depth = request_blocks, pipeline_depth
         self.host, self.port = host.strip("[]"), int(port)
         self.address = address
         self.timeout_s = timeout_s
@@ -270,17 +318,26 @@ class BulkClient:
                    ) -> list[int | None]:
         """Fetch ``keys``; block ``i`` of ``n`` bytes goes into ``alloc(i, n)``.
 
+        Many keys go out as requests of ``request_blocks``, up to ``pipeline_depth`` of them
+        in flight on one connection, so the node never idles waiting for the next request.
         Returns each block's size (None for a key the node does not hold). Raises
         NodeUnavailable if the node dies mid-stream: then no block of the call is valid.
         """
-        body = msgpack.packb({"t": self._token, "k": list(keys), "r": self.reader_node_id})
-        if len(body) > MAX_REQUEST_BYTES:
-            raise RequestTooLarge(f"{len(keys)} keys exceed one bulk request; split them")
-        request = _REQ.pack(MAGIC, len(body)) + body
+        if not keys:
+            return []
+        step = self.request_blocks
+        spans = [(lo, min(lo + step, len(keys))) for lo in range(0, len(keys), step)]
+        requests = [self._request(keys[lo:hi]) for lo, hi in spans]
+        # Requests sent ahead sit unread in the node's socket buffer while it streams to us:
+        # keep them small, or both sides could block on full buffers.
+        ahead = self.pipeline_depth if sum(map(len, requests[:self.pipeline_depth])) \
+            <= _MAX_AHEAD_BYTES else 1
+        sent = 0
         for attempt in (0, 1):
             sock, reused = self._checkout()
             try:
-                sock.sendall(request)
+                for sent in range(1, min(ahead, len(requests)) + 1):
+                    sock.sendall(requests[sent - 1])
                 head = _recv_exact(sock, _RESP.size)
             except (OSError, NodeUnavailable) as exc:
                 sock.close()
@@ -288,13 +345,26 @@ class BulkClient:
                     continue  # the server closed an idle connection: one fresh try
                 raise NodeUnavailable(f"bulk request to {self.address} failed: {exc}") from exc
             break
+        out: list[int | None] = []
         try:
-            sizes = self._read_body(sock, head, keys, alloc)
+            for j, (lo, hi) in enumerate(spans):
+                if j:
+                    if sent < len(requests):
+                        _send_all(sock, requests[sent])
+                        sent += 1
+                    head = _recv_exact(sock, _RESP.size)
+                out += self._read_body(sock, head, keys[lo:hi], _shifted(alloc, lo))
         except BaseException:
             sock.close()  # the stream is out of step: never reuse it
             raise
         self._checkin(sock)
-        return sizes
+        return out
+
+    def _request(self, keys: Sequence[bytes]) -> bytes:
+        body = msgpack.packb({"t": self._token, "k": list(keys), "r": self.reader_node_id})
+        if len(body) > MAX_REQUEST_BYTES:
+            raise RequestTooLarge(f"{len(keys)} keys exceed one bulk request; split them")
+        return _REQ.pack(MAGIC, len(body)) + body
 
     def _read_body(self, sock: socket.socket, head: bytes, keys: Sequence[bytes],
                    alloc: Callable[[int, int], memoryview]) -> list[int | None]:
@@ -313,6 +383,7 @@ class BulkClient:
             raise NodeUnavailable(f"bulk channel answered {n} blocks for {len(keys)} keys")
         sizes = list(struct.unpack(f"<{n}Q", _recv_exact(sock, 8 * n)))
         out: list[int | None] = []
+        views: list[memoryview] = []
         for i, nbytes in enumerate(sizes):
             if nbytes == MISSING:
                 out.append(None)
@@ -320,8 +391,9 @@ class BulkClient:
             dst = alloc(i, nbytes)
             if len(dst) < nbytes:
                 raise ValueError(f"buffer {i} has {len(dst)} bytes, block needs {nbytes}")
-            _recv_exact_into(sock, dst[:nbytes])
+            views.append(dst[:nbytes])
             out.append(nbytes)
+        _recv_exact_into_many(sock, views)
         return out
 
     def _checkout(self) -> tuple[socket.socket, bool]:

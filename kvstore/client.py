@@ -147,7 +147,9 @@ class StoreNodeClient:
         self._bulk = BulkClient(bulk_address, auth_token=cfg.auth_token,
                                 tls_ca_file=cfg.tls_ca_file, timeout_s=cfg.timeout_s,
                                 server_hostname=tls_server_name,
-                                reader_node_id=self.reader_node_id) if bulk_address else None
+                                reader_node_id=self.reader_node_id,
+                                request_blocks=cfg.bulk_request_blocks,
+                                pipeline_depth=cfg.bulk_pipeline_depth) if bulk_address else None
         self._shm: Any = None
         self._shm_lock = threading.Lock()
         self._pending: set[Any] = set()  # release futures still in flight

@@ -94,11 +94,18 @@ class ClientConfig:
     tls_ca_file: str | None = None
     max_message_bytes: int = 64 << 20
     node_id: str | None = None
+    # A bulk read of many blocks goes out as requests of this many blocks, this many in flight
+    # on one connection: the node streams one while the next is already queued.
+    bulk_request_blocks: int = 32
+    bulk_pipeline_depth: int = 4
 
     def __post_init__(self) -> None:
         self.max_message_bytes = parse_size(self.max_message_bytes)
         _check(self.timeout_s > 0, "client.timeout_s must be > 0 seconds")
         _check(self.retries >= 0, "client.retries must be >= 0")
+        _check(1 <= self.bulk_request_blocks <= 4096,
+               "client.bulk_request_blocks must be between 1 and 4096")
+        _check(self.bulk_pipeline_depth >= 1, "client.bulk_pipeline_depth must be >= 1")
 
 
 @dataclass(slots=True)

@@ -66,6 +66,30 @@ def test_round_trip_is_bitwise_on_every_path(server, path: str) -> None:
     client.close()
 
 
+def test_bulk_pipelines_small_requests_and_keeps_the_stream_in_step(server) -> None:
+    """Many keys go out as several pipelined requests; blocks land in order, absent ones are
+    None, and the connection stays usable for the next call."""
+    srv, pool = server
+    grpc_addr, bulk_addr = srv.addresses
+    cfg = ClientConfig(timeout_s=5, retries=1, bulk_request_blocks=2, bulk_pipeline_depth=3)
+    client = StoreNodeClient(grpc_addr, bulk_address=bulk_addr, config=cfg)
+    ns = make_namespace()
+    keys, _, blocks = make_blocks(ns, 7)
+    client.put_blocks(ns, list(zip(keys, blocks, strict=True)))
+    absent = [bytes([i]) * 32 for i in (1, 2, 3)]
+    ask = [absent[0], *keys[:3], absent[1], *keys[3:], absent[2]]  # 5 requests of 2, 1 left
+    for _ in range(2):  # the second call reuses the connection the first one left
+        bufs = [bytearray(len(blocks[0])) for _ in ask]
+        sizes = client.get_blocks_into(ask, bufs)
+        want = [None if k in absent else blocks[keys.index(k)] for k in ask]
+        assert sizes == [None if w is None else len(w) for w in want]
+        assert [b if w is not None else None for b, w in zip(bufs, want, strict=True)] == want
+    assert len(client._bulk._idle) == 1  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="bulk_request_blocks"):
+        ClientConfig(bulk_request_blocks=0)
+    client.close()
+
+
 @pytest.mark.parametrize("path", ["grpc", "bulk", "shm"])
 def test_every_read_path_names_the_reader_node(path: str) -> None:
     pool = BlockPool(4 << 20)
