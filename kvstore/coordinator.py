@@ -77,9 +77,7 @@ class Coordinator:
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Record uses from a reader outside the store nodes' heartbeats."""
-        with self._core._lock:
-            self._core.lru.touch(keys)
-            self._core.index.touch(keys)
+        self._core.touch(keys)
 
     def keys_of_node(self, node_id: str) -> list[bytes]:
         """The keys the index says ``node_id`` holds."""

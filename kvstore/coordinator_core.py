@@ -9,6 +9,11 @@ Recovery: every start bumps the epoch. Store nodes see the new epoch in a heartb
 re-announce everything they hold; ``register_node`` reconciles the index with that (adding
 missing holders, dropping ones the node no longer has) and counts the difference as drift.
 With Redis the index (and so the LRU table) is also reloaded at start.
+
+Two index modes. Embedded (``index.backend == "memory"``): the index *is* the LRU table
+(``TableIndex``), so every block is stored once, in one compact row, and the index's node bits
+are the nodes' slots. External (Redis, or any ``Index`` passed in): the index is shared with
+readers and the LRU table mirrors it for eviction, so writes go to both.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from kvstore.liveness import NodeState, NodeStatus, NodeTable
 from kvstore.lru import PIN_HARD, PIN_NONE, PIN_SOFT, LRUTable
 from kvstore.pins import PinTable
 from kvstore.pool import PoolStats
+from kvstore.table_index import TableIndex
 
 #: a (key, reader) pair counted toward replication; the counter is cleared past this size
 _MAX_HOT_COUNTERS = 100_000
@@ -65,15 +71,37 @@ class CoordinatorCore:
         self.clock = clock
         # bumps on every start (a restart takes far longer than the 1 us resolution)
         self.epoch = time.time_ns() // 1_000
-        self.index = make_index(config.index) if index is None else index
-        self.lru = LRUTable()
+        if index is None:
+            index = TableIndex() if config.index.backend == "memory" else make_index(config.index)
+        self.index: Index = index
         self.pins = PinTable()
         self.nodes = NodeTable(self.cfg.node_timeout_s)
         self.dead: dict[str, NodeStatus] = {}
         self.hot: Counter[tuple[bytes, str]] = Counter()
         self.metrics: Counter[str] = Counter()
-        self._lock = threading.RLock()
+        self._table_index = index if isinstance(index, TableIndex) else None
+        if self._table_index is not None:
+            self.lru = self._table_index.table
+            # one lock for both: readers' lookups enter the index without the core's lock
+            self._lock = self._table_index.lock
+        else:
+            self.lru = LRUTable()
+            self._lock = threading.RLock()
         self._reload()
+
+    def _ensure(self, node_id: str, now: float) -> NodeState:
+        """The node's state; in embedded mode its slot is its bit in the index."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes.ensure(node_id, now)
+            if self._table_index is not None:
+                node.slot = self._table_index.claim_node(node_id)
+        return node
+
+    @property
+    def external_index(self) -> bool:
+        """True when the index is a separate store the LRU table must be kept in step with."""
+        return self._table_index is None
 
     # -- recovery --------------------------------------------------------------------------
 
@@ -81,11 +109,16 @@ class CoordinatorCore:
         """Rebuild the LRU table from a persistent index (Redis); nodes get one timeout to
         re-register before their keys are dropped."""
         now = self.clock()
+        if self._table_index is not None:  # the table is the index: nothing to copy
+            for node_id in self.index.nodes():
+                self._ensure(node_id, now)
+            self.metrics["reloaded_blocks"] += self.lru.num_blocks
+            return
         for node_id in self.index.nodes():
             keys = self.index.keys_of_node(node_id)
             infos = [i for i in self.index.info(keys) if i is not None]
             infos.sort(key=lambda i: i.last_use)  # oldest first: the table's clock order
-            node = self.nodes.ensure(node_id, now)
+            node = self._ensure(node_id, now)
             self.lru.add(node.slot, [i.key for i in infos], [i.parent_key for i in infos],
                          [i.nbytes for i in infos], [i.namespace_root for i in infos])
             self.metrics["reloaded_blocks"] += len(infos)
@@ -99,18 +132,17 @@ class CoordinatorCore:
         self._check_owner(node_id, entries)
         with self._lock:
             now = self.clock()
-            node = self.nodes.ensure(node_id, now)
+            node = self._ensure(node_id, now)
             node.address, node.capacity_bytes, node.last_heartbeat = address, capacity_bytes, now
             self.dead.pop(node_id, None)
             announced = {e.key for e in entries}
             known = set(self.index.keys_of_node(node_id))
             missing = [e for e in entries if e.key not in known]
             stale = sorted(known - announced)
-            if missing:
+            if missing and self.external_index:
                 self.index.publish(missing)
             if stale:
-                self.index.remove(stale, node_id)
-                self.lru.remove(node.slot, stale)
+                self._remove(node, stale)
             self._record(node, entries)
             self.metrics["drift_added"] += len(missing)
             self.metrics["drift_removed"] += len(stale)
@@ -128,11 +160,15 @@ class CoordinatorCore:
                                  f"but node {node_id!r} sent it; a node announces its own blocks")
 
     def _record(self, node: NodeState, entries: Sequence[IndexEntry]) -> None:
+        """Track entries for LRU (in embedded mode this is the index's publish itself)."""
         if not entries:
             return
         keys = [e.key for e in entries]
-        self.lru.add(node.slot, keys, [e.parent_key for e in entries],
-                     [e.nbytes for e in entries], [e.namespace_root for e in entries])
+        if self._table_index is not None:
+            self._table_index.publish(entries)
+        else:
+            self.lru.add(node.slot, keys, [e.parent_key for e in entries],
+                         [e.nbytes for e in entries], [e.namespace_root for e in entries])
         for level, pinned in self.pins.levels(keys).items():
             self.lru.set_pin(pinned, level)
         # a replica landed elsewhere: a draining node can now let go of its copy
@@ -150,8 +186,9 @@ class CoordinatorCore:
         check_node_id(node_id)
         self._check_owner(node_id, entries)
         with self._lock:
-            node = self.nodes.ensure(node_id, self.clock())
-            self.index.publish(entries)
+            node = self._ensure(node_id, self.clock())
+            if self.external_index:
+                self.index.publish(entries)
             self._record(node, entries)
             self.metrics["published"] += len(entries)
 
@@ -160,12 +197,30 @@ class CoordinatorCore:
         check_node_id(node_id)
         check_keys(keys)
         with self._lock:
-            self.index.remove(keys, node_id)
             node = self.nodes.get(node_id)
             if node is not None:
-                self.lru.remove(node.slot, keys)
+                self._remove(node, keys)
                 node.ordered.difference_update(keys)
+            else:
+                self.index.remove(keys, node_id)
             self.metrics["removed"] += len(keys)
+
+    def _remove(self, node: NodeState, keys: Sequence[bytes]) -> None:
+        self.index.remove(keys, node.node_id)
+        if self.external_index:
+            self.lru.remove(node.slot, keys)
+
+    def touch(self, keys: Sequence[bytes], now: float | None = None) -> None:
+        """Record uses (LRU order and the index's last use) of ``keys``."""
+        check_keys(keys)
+        with self._lock:
+            self._touch(keys, self.clock() if now is None else now)
+
+    def _touch(self, keys: Sequence[bytes], now: float) -> None:
+        if self.external_index:
+            self.lru.touch(keys)
+        self.index.touch(keys, now)  # in embedded mode this is the table's touch
+        self.metrics["touches"] += len(keys)
 
     def heartbeat(self, node_id: str, stats: PoolStats, touched: Sequence[bytes],
                   remote_reads: dict[str, list[bytes]]) -> HeartbeatReply:
@@ -175,7 +230,7 @@ class CoordinatorCore:
             now = self.clock()
             self._sweep(now)
             came_back = node_id in self.dead
-            node = self.nodes.ensure(node_id, now)
+            node = self._ensure(node_id, now)
             node.last_heartbeat, node.stats = now, stats
             if stats.capacity_bytes > 0:
                 node.capacity_bytes = stats.capacity_bytes
@@ -183,9 +238,7 @@ class CoordinatorCore:
                 self.dead.pop(node_id, None)
             node.ordered.clear()  # the node has executed what it was told last time
             if touched:
-                self.lru.touch(touched)
-                self.index.touch(touched, now)
-                self.metrics["touches"] += len(touched)
+                self._touch(touched, now)
             self._count_remote_reads(node, remote_reads)
             self._expire_pins(now)
             evict = node.pending_evict
@@ -211,7 +264,7 @@ class CoordinatorCore:
         """What a full node should evict right now to fit ``nbytes_needed`` more bytes."""
         check_node_id(node_id)
         with self._lock:
-            node = self.nodes.ensure(node_id, self.clock())
+            node = self._ensure(node_id, self.clock())
             self._expire_pins(self.clock())
             target = nbytes_needed
             if node.capacity_bytes:  # go down to the low watermark, not just enough for one put
@@ -270,13 +323,18 @@ class CoordinatorCore:
         prom.observe_coordinator(len(self.nodes.nodes), self.pins.counts())
 
     def _forget(self, node: NodeState, *, alive: bool) -> None:
-        num = self.index.drop_node(node.node_id)
-        self.lru.drop_node(node.slot)
+        num = self._drop(node)
         status = node.status(num)
         status.alive = alive
         self.dead[node.node_id] = status
         for other in self.nodes.nodes.values():
             other.pending_replicate.pop(node.node_id, None)
+
+    def _drop(self, node: NodeState) -> int:
+        num = self.index.drop_node(node.node_id)  # embedded: frees the node's bit/slot too
+        if self.external_index:
+            self.lru.drop_node(node.slot)
+        return num
 
     def check_liveness(self) -> list[str]:
         """Declare silent nodes dead now; returns their ids."""
@@ -380,8 +438,7 @@ class CoordinatorCore:
             node = self.nodes.remove(node_id)
             if node is None:
                 return 0
-            num = self.index.drop_node(node_id)
-            self.lru.drop_node(node.slot)
+            num = self._drop(node)
             for other in self.nodes.nodes.values():
                 other.pending_replicate.pop(node_id, None)
             self._observe()
@@ -400,8 +457,7 @@ class CoordinatorCore:
                 mine = [k for k, m in zip(keys, masks, strict=True) if m >> node.slot & 1]
                 if mine:
                     node.pending_evict.extend(mine)
-                    self.index.remove(mine, node.node_id)
-                    self.lru.remove(node.slot, mine)
+                    self._remove(node, mine)
             self.unpin(keys)
             self.metrics["invalidated"] += len(keys)
             return len(keys)

@@ -9,14 +9,18 @@ of int32 (linear probing, tombstones) that is probed for a whole batch at once:
                                                           8 bytes are already a good hash)
                                      holders[slot]  8 B   bit i = node slot i holds it
                                      nbytes[slot]   8 B
-                                     parent[slot]   8 B   first 8 bytes of the parent key
-                                     root[slot]     8 B   first 8 bytes of the namespace root
+                                     parent[slot]   32 B  the parent key
+                                     root[slot]     4 B   namespace root id (see roots)
                                      last_use[slot] 8 B   logical clock, larger = more recent
+                                     used_at[slot]  8 B   wall-clock last use (the index's)
                                      hits[slot]     4 B   touches, for the top-prefixes view
                                      pin[slot]      1 B   PIN_NONE / PIN_SOFT / PIN_HARD
 
-Parents are referenced by key fingerprint, not by slot, so a parent can arrive after its child
-or be freed without leaving a dangling slot behind; a (2^-64) fingerprint collision can only
+The table is the whole embedded index (``kvstore.table_index.TableIndex``), so it keeps the
+full parent key and namespace root that ``Index.info`` returns. Namespaces are few: a root is
+stored once in ``roots`` and each block holds its 4-byte id. Parents are referenced by key, not
+by slot, so a parent can arrive after its child or be freed without leaving a dangling slot
+behind; the planner links them by fingerprint, and a (2^-64) fingerprint collision can only
 change eviction order, never which bytes a reader gets.
 """
 
@@ -71,7 +75,12 @@ class LRUTable:
     """Every indexed block with its holders, size, parent, last use and pin state."""
 
     def __init__(self, initial_capacity: int = 1024) -> None:
-        cap = max(16, 1 << (initial_capacity - 1).bit_length())
+        self._initial_capacity = initial_capacity
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every block, in place (the coordinator and its index share this object)."""
+        cap = max(16, 1 << (self._initial_capacity - 1).bit_length())
         self._alloc(cap)
         self._table = np.full(cap * 2, _EMPTY, dtype=np.int32)
         self._num_tombs = 0
@@ -79,6 +88,9 @@ class LRUTable:
         self._free = array("i")
         self._clock = 0
         self.num_blocks = 0
+        #: namespace roots by id; id 0 is "unknown" (no root given and no parent to inherit)
+        self.roots: list[bytes] = [b""]
+        self._root_ids: dict[bytes, int] = {}
 
     # -- storage ---------------------------------------------------------------------------
 
@@ -86,48 +98,54 @@ class LRUTable:
         self.keys = np.zeros((cap, 4), dtype=np.uint64)
         self.holders = np.zeros(cap, dtype=np.uint64)
         self.nbytes = np.zeros(cap, dtype=np.int64)
-        self.parent = np.zeros(cap, dtype=np.uint64)
-        self.root = np.zeros(cap, dtype=np.uint64)
+        self.parent = np.zeros((cap, 4), dtype=np.uint64)
+        self.root = np.zeros(cap, dtype=np.uint32)
         self.last_use = np.zeros(cap, dtype=np.int64)
+        self.used_at = np.zeros(cap, dtype=np.float64)
         self.hits = np.zeros(cap, dtype=np.uint32)
         self.pin = np.zeros(cap, dtype=np.uint8)
 
+    _COLUMNS = ("keys", "holders", "nbytes", "parent", "root", "last_use", "used_at", "hits",
+                "pin")
+
     def _grow_slots(self) -> None:
-        old = {n: getattr(self, n) for n in
-               ("keys", "holders", "nbytes", "parent", "root", "last_use", "hits", "pin")}
-        self._alloc(len(self.holders) * 2)
+        old = {n: getattr(self, n) for n in self._COLUMNS}
+        # 1.5x, not 2x: right after a growth up to a third of the slots sit unused, not half
+        self._alloc(len(self.holders) * 3 // 2)
         for name, arr in old.items():
             getattr(self, name)[: len(arr)] = arr
 
     def nbytes_used(self) -> int:
         """Bytes of the arrays and the hash table (what the table itself costs)."""
-        arrays = (self.keys, self.holders, self.nbytes, self.parent, self.root, self.last_use,
-                  self.hits, self.pin, self._table)
+        arrays = [getattr(self, n) for n in self._COLUMNS] + [self._table]
         return sum(a.nbytes for a in arrays) + self._free.itemsize * len(self._free)
 
     # -- the hash table --------------------------------------------------------------------
 
     def _find(self, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Slot (or -1) and table position of each packed key, probing the batch together."""
-        n = len(packed)
+        """Slot (or -1) and table position (or -1) of each packed key.
+
+        The whole batch probes together. At most half full, most keys sit at their home
+        position, so the first round is written without sub-indexing (a handful of numpy calls:
+        this is every lookup's path); only keys that collided go round the loop.
+        """
         mask = len(self._table) - 1
         pos = (packed[:, 0] & np.uint64(mask)).astype(np.int64)
-        slots = np.full(n, -1, dtype=np.int64)
-        where = np.full(n, -1, dtype=np.int64)
-        active = np.arange(n)
+        s = self._table[pos].astype(np.int64)
+        # s == -1 reads the last row: a harmless compare, masked out by s >= 0
+        match = (self.keys[s] == packed).all(axis=1) & (s >= 0)
+        slots = np.where(match, s, -1)
+        where = np.where(match, pos, -1)
+        active = np.flatnonzero((s != _EMPTY) & ~match)
         while active.size:
+            pos[active] = (pos[active] + 1) & mask
             p = pos[active]
             s = self._table[p].astype(np.int64)
-            live = s >= 0
-            match = np.zeros(active.size, dtype=bool)
-            if live.any():
-                match[live] = (self.keys[s[live]] == packed[active[live]]).all(axis=1)
+            match = (self.keys[s] == packed[active]).all(axis=1) & (s >= 0)
             hit = active[match]
             slots[hit] = s[match]
             where[hit] = p[match]
-            cont = (s != _EMPTY) & ~match
-            active = active[cont]
-            pos[active] = (pos[active] + 1) & mask
+            active = active[(s != _EMPTY) & ~match]
         return slots, where
 
     def _place(self, packed: np.ndarray, slots: np.ndarray) -> None:
@@ -203,7 +221,8 @@ class LRUTable:
         return self._find(_pack(keys))[0]
 
     def add(self, node: int, keys: Sequence[bytes], parents: Sequence[bytes | None],
-            nbytes: Sequence[int], roots: Sequence[bytes | None] | None = None) -> int:
+            nbytes: Sequence[int], roots: Sequence[bytes | None] | None = None,
+            now: float = 0.0) -> int:
         """Record that node slot ``node`` holds ``keys``; returns how many were new to it.
 
         ``roots`` gives the namespace root where known; otherwise it is inherited from the
@@ -232,44 +251,61 @@ class LRUTable:
             self.num_blocks += int(missing.size)
             self.holders[new] = 0
             self.last_use[new] = 0
+            self.used_at[new] = 0.0
         bit = np.uint64(1 << node)
         newly = int(((self.holders[slots] & bit) == 0).sum())
         self.holders[slots] |= bit
         self.nbytes[slots] = np.asarray(nbytes, dtype=np.int64)
-        parent_fp = np.array([fingerprint(p) if p else 0 for p in parents], dtype=np.uint64)
-        self.parent[slots] = parent_fp
+        packed_parents = _pack([p if p else bytes(KEY_NBYTES) for p in parents])
+        self.parent[slots] = packed_parents
         self.last_use[slots] = self._tick(len(keys))
-        self._assign_roots(keys, slots, parents, parent_fp, root_list)
+        self.used_at[slots] = np.maximum(self.used_at[slots], now)
+        self._assign_roots(keys, slots, parents, packed_parents, root_list)
         return newly
 
+    def _root_id(self, root: bytes) -> int:
+        rid = self._root_ids.get(root)
+        if rid is None:
+            rid = self._root_ids[root] = len(self.roots)
+            self.roots.append(root)
+        return rid
+
     def _assign_roots(self, keys: Sequence[bytes], slots: np.ndarray,
-                      parents: Sequence[bytes | None], parent_fp: np.ndarray,
+                      parents: Sequence[bytes | None], packed_parents: np.ndarray,
                       roots: Sequence[bytes | None] | None) -> None:
-        pslots = self.lookup([p if p else bytes(KEY_NBYTES) for p in parents])
+        if roots is not None and all(roots):  # the index always knows: no inference needed
+            self.root[slots] = [self._root_id(r) for r in roots]  # type: ignore[arg-type]
+            return
+        pslots = self._find(packed_parents)[0]
         in_batch: dict[bytes, int] = {}
         for i, key in enumerate(keys):
             given = roots[i] if roots is not None else None
             parent = parents[i]
             if given:
-                fp = fingerprint(given)
+                rid = self._root_id(given)
             elif parent and parent in in_batch:
-                fp = in_batch[parent]
+                rid = in_batch[parent]
             elif pslots[i] >= 0:
-                fp = int(self.root[pslots[i]])
+                rid = int(self.root[pslots[i]])
+            elif parent:  # the first block of a chain: its parent is the namespace root
+                rid = self._root_id(parent)
             else:
-                fp = int(parent_fp[i])
-            self.root[slots[i]] = fp
-            in_batch[key] = fp
+                rid = 0
+            self.root[slots[i]] = rid
+            in_batch[key] = rid
 
-    def touch(self, keys: Sequence[bytes]) -> int:
+    def touch(self, keys: Sequence[bytes], now: float | None = None) -> int:
         """Mark keys used now (in order: the last one is the most recent); unknown keys are
-        ignored. Returns how many were known."""
+        ignored. ``now`` (wall clock) only moves ``used_at`` forward. Returns how many were
+        known."""
         if not keys:
             return 0
         slots = self._find(_pack(keys))[0]
         known = slots >= 0
         slots = slots[known]
         self.last_use[slots] = self._tick(len(keys))[known]
+        if now is not None:
+            self.used_at[slots] = np.maximum(self.used_at[slots], now)
         np.add.at(self.hits, slots, 1)
         return int(slots.size)
 
@@ -332,10 +368,16 @@ class LRUTable:
 
     def namespace_keys(self, root: bytes) -> list[bytes]:
         """Every known key whose chain starts at namespace ``root``."""
+        rid = self._root_ids.get(root)
+        if rid is None:
+            return []
         n = self._next_slot
-        slots = np.flatnonzero((self.root[:n] == np.uint64(fingerprint(root)))
-                               & (self.holders[:n] != 0))
+        slots = np.flatnonzero((self.root[:n] == rid) & (self.holders[:n] != 0))
         return self.key_of(slots)
+
+    def live_holders(self) -> int:
+        """OR of every block's holder mask: the node slots that hold at least one block."""
+        return int(np.bitwise_or.reduce(self.holders[: self._next_slot], initial=0))
 
     def top(self, k: int) -> list[tuple[bytes, int]]:
         """The ``k`` most touched blocks with their touch counts."""
@@ -369,7 +411,7 @@ class LRUTable:
         order = np.argsort(fps, kind="stable")
         sorted_fps = fps[order]
         # children on this node per block: count held blocks whose parent is that block
-        parents = self.parent[held]
+        parents = self.parent[held, 0]
         pidx = np.minimum(np.searchsorted(sorted_fps, parents), sorted_fps.size - 1)
         has_parent = sorted_fps[pidx] == parents
         parent_pos = np.full(held.size, -1, dtype=np.int64)

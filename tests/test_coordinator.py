@@ -1,23 +1,55 @@
-"""The coordinator: the pure core with fake nodes and a fake clock, then the real Ray actor."""
+"""The coordinator: the pure core with fake nodes and a fake clock, then the real Ray actor.
+
+Every core test runs in both index modes: ``table`` (embedded: the index is the LRU table
+itself, the default for ``index.backend == "memory"``) and ``dict`` (an external index the LRU
+table mirrors, as with Redis; ``InMemoryIndex`` stands in for it).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import time
+import tracemalloc
 import uuid
+from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from kvstore.api import NodeAddress
 from kvstore.config import CoordinatorConfig, IndexConfig, KVStoreConfig
 from kvstore.coordinator_core import CoordinatorCore
-from kvstore.index import IndexEntry, InMemoryIndex
+from kvstore.index import Index, IndexEntry, InMemoryIndex
 from kvstore.pool import PoolStats
+from kvstore.table_index import TableIndex
 
 ROOT = hashlib.sha256(b"ns-a").digest()
 ROOT_B = hashlib.sha256(b"ns-b").digest()
 BLOCK = 100
+
+
+_KIND = {"index": "table"}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Core tests run in both modes; the actor tests (slow, Ray) in the default one."""
+    if "index_kind" in metafunc.fixturenames and not metafunc.function.__name__.startswith(
+            "test_actor"):
+        metafunc.parametrize("index_kind", ["table", "dict"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def index_kind(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Which index mode ``make_core`` and ``make_shared_index`` build."""
+    _KIND["index"] = getattr(request, "param", "table")
+    yield _KIND["index"]
+    _KIND["index"] = "table"
+
+
+def make_shared_index() -> Index:
+    """An index that outlives a core (as Redis does), in the current mode."""
+    return TableIndex() if _KIND["index"] == "table" else InMemoryIndex()
 
 
 class FakeClock:
@@ -45,10 +77,13 @@ def make_stats(capacity: int, used: int) -> PoolStats:
     return PoolStats(capacity, used, used // BLOCK, 0, 0, 0, 0, 0)
 
 
-def make_core(index: InMemoryIndex | None = None, clock: FakeClock | None = None,
+def make_core(index: Index | None = None, clock: FakeClock | None = None,
               **coordinator: float) -> CoordinatorCore:
+    """A core in the current mode; ``table`` builds its own index as the actor does."""
     config = KVStoreConfig(coordinator=CoordinatorConfig(**coordinator))
-    return CoordinatorCore(config, index=index or InMemoryIndex(), clock=clock or FakeClock())
+    if index is None and _KIND["index"] == "dict":
+        index = InMemoryIndex()
+    return CoordinatorCore(config, index=index, clock=clock or FakeClock())
 
 
 def register(core: CoordinatorCore, node_id: str, chains: list[list[bytes]],
@@ -135,7 +170,7 @@ def test_dead_node_leaves_the_index_and_must_reannounce() -> None:
 
 
 def test_restart_reconciles_with_what_nodes_hold_and_counts_drift() -> None:
-    index = InMemoryIndex()  # survives the "restart", as Redis does
+    index = make_shared_index()  # survives the "restart", as Redis does
     chain = make_chain(6, "r")
     first = make_core(index=index)
     register(first, "a", [chain])
@@ -248,7 +283,7 @@ def _sample(name: str, **labels: str) -> float:
 
 def test_prometheus_metrics_follow_drift_evictions_nodes_and_pins() -> None:
     clock = FakeClock()
-    index = InMemoryIndex()
+    index = make_shared_index()
     chain = make_chain(4, uuid.uuid4().hex)
     drift = "kvstore_coordinator_drift_blocks_total"
     added, removed = _sample(drift, kind="added"), _sample(drift, kind="removed")
@@ -302,6 +337,44 @@ def test_status_is_json_and_shows_hashes_not_tokens() -> None:
     assert status["totals"]["hit_rate"] == pytest.approx(0.8)
     assert status["top_prefixes"][0] == {"key": chain[0][:8].hex(), "touches": 3}
     assert status["nodes"][0]["blocks"] == 3
+
+
+def test_embedded_index_is_the_lru_table_and_stores_each_block_once() -> None:
+    core = CoordinatorCore(KVStoreConfig(), clock=FakeClock())  # index.backend == "memory"
+    assert isinstance(core.index, TableIndex) and core.lru is core.index.table
+    n = 20_000
+    raw = np.random.default_rng(0).bytes(32 * n)
+    keys = [raw[i * 32:(i + 1) * 32] for i in range(n)]
+    parents = [ROOT, *keys[:-1]]
+    core.register_node("a", NodeAddress("a", "a:1"), 1 << 40, [])
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(0, n, 1000):
+        core.publish("a", [IndexEntry(bytes(bytearray(k)), "a", BLOCK, p, ROOT)
+                           for k, p in zip(keys[i:i + 1000], parents[i:i + 1000], strict=True)])
+    per_block = (tracemalloc.get_traced_memory()[0] - before) / n
+    tracemalloc.stop()
+    assert per_block <= 200, f"{per_block:.0f} B per block: something keeps a per-block object"
+    # one structure answers the readers' view and the LRU: a removal shows in both at once
+    info = core.index.info(keys[1:2])[0]
+    assert info is not None and (info.parent_key, info.namespace_root) == (keys[0], ROOT)
+    core.removed("a", keys[5:6])
+    assert core.lookup_prefix(keys[:10]).num_blocks == 5
+    assert core.lru.num_blocks == core.index.num_keys() == n - 1
+
+
+def test_embedded_node_slot_is_its_index_bit() -> None:
+    core = make_core(index=TableIndex())
+    register(core, "a", [make_chain(2, "x")])
+    register(core, "b", [make_chain(2, "y")])
+    for node_id in ("a", "b"):
+        assert core.nodes.get(node_id).slot == core.index.claim_node(node_id)
+    core.remove_node("a")
+    register(core, "c", [])  # holds nothing yet: its bit must still be its own
+    c_bit = core.nodes.get("c").slot
+    core.publish("c", make_entries("c", make_chain(1, "z")))
+    assert core.index.claim_node("c") == c_bit
+    assert core.lru.node_bytes(c_bit) == BLOCK
 
 
 # -- the real actor on a local Ray ----------------------------------------------------------

@@ -1,10 +1,15 @@
-"""The global index on both backends, against a plain-dict model and each other."""
+"""The global index on every backend, against a plain-dict model and each other.
+
+Three backends: ``InMemoryIndex`` (dicts), ``TableIndex`` (the coordinator's compact table) and
+``RedisIndex``; every contract test runs on each.
+"""
 
 from __future__ import annotations
 
 import random
 import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -12,12 +17,28 @@ import redis
 
 from kvstore import redis_index
 from kvstore.config import IndexConfig
-from kvstore.errors import ConfigError, NodeUnavailable, Unauthenticated
+from kvstore.errors import ConfigError, KVStoreError, NodeUnavailable, Unauthenticated
 from kvstore.index import Index, IndexEntry, InMemoryIndex, make_index
 from kvstore.keys import BlockHasher, Namespace
 from kvstore.redis_index import RedisIndex, redact_url
 from kvstore.redis_proc import RedisProcess, free_port, start_redis_server
+from kvstore.table_index import TableIndex
 from tests.conftest import require_redis_server
+
+
+@pytest.fixture(params=["memory", "table", pytest.param("redis", marks=pytest.mark.redis)])
+def index(request: pytest.FixtureRequest) -> Iterator[Index]:
+    """A clean index on each backend (overrides conftest's two-backend fixture here)."""
+    if request.param == "memory":
+        idx: Index = InMemoryIndex()
+    elif request.param == "table":
+        idx = TableIndex()
+    else:
+        server = request.getfixturevalue("redis_server")
+        idx = RedisIndex(server.url, key_prefix=f"test-{uuid.uuid4().hex[:12]}:")
+    yield idx
+    idx.clear()
+    idx.close()
 
 
 def make_namespace(salt: str = "") -> Namespace:
@@ -190,7 +211,7 @@ def test_random_ops_agree_with_model(redis_server: RedisProcess, seed: int) -> N
     chains = [make_chain(6, salt=s, seed=seed) for s in ("x", "y")]
     nodes = ["n0", "n1", "n2"]
     model = DictModel()
-    backends: list[Index] = [InMemoryIndex(),
+    backends: list[Index] = [InMemoryIndex(), TableIndex(),
                              RedisIndex(redis_server.url, key_prefix=f"rnd-{uuid.uuid4().hex}:")]
     try:
         for _ in range(150):
@@ -212,7 +233,7 @@ def test_random_ops_agree_with_model(redis_server: RedisProcess, seed: int) -> N
                     b.remove(span, node)
             else:
                 expected = model.drop_node(node)
-                assert [b.drop_node(node) for b in backends] == [expected] * 2
+                assert [b.drop_node(node) for b in backends] == [expected] * len(backends)
             for b in backends:
                 for _, ks in chains:
                     hit = b.lookup_prefix(ks)
@@ -232,8 +253,9 @@ def test_random_ops_agree_with_model(redis_server: RedisProcess, seed: int) -> N
             b.close()
 
 
-def test_in_memory_index_is_thread_safe() -> None:
-    index = InMemoryIndex()
+@pytest.mark.parametrize("make", [InMemoryIndex, TableIndex])
+def test_embedded_indexes_are_thread_safe(make: type) -> None:
+    index = make()
     root, keys = make_chain(64)
 
     def work(node: str) -> None:
@@ -248,6 +270,36 @@ def test_in_memory_index_is_thread_safe() -> None:
     for t in threads:
         t.join()
     assert index.lookup_prefix(keys).holders == [["n0", "n1", "n2", "n3"]] * 64
+
+
+# --- TableIndex-only behaviour ------------------------------------------------------------------
+
+
+def test_table_index_recycles_bits_of_empty_unclaimed_nodes() -> None:
+    index = TableIndex()
+    root, keys = make_chain(2)
+    claimed = index.claim_node("coordinator-slot")  # claimed: kept even while it holds nothing
+    for i in range(63):
+        index.publish(make_entries(root, keys[:1], f"n{i:02d}"))
+        index.remove(keys[:1], f"n{i:02d}")  # holds nothing now, but keeps its bit until needed
+    index.publish(make_entries(root, keys, "late"))  # 65th node: an empty bit is recycled
+    assert index.holders(keys) == [["late"], ["late"]]
+    assert index.claim_node("coordinator-slot") == claimed
+    for i in range(62):
+        index.publish(make_entries(root, keys[:1], f"busy{i}"))  # every bit now in use
+    with pytest.raises(KVStoreError, match="at most 64"):
+        index.publish(make_entries(root, keys, "one-too-many"))
+    assert "one-too-many" not in index.nodes()
+
+
+def test_table_index_rejects_keys_that_are_not_32_bytes() -> None:
+    index = TableIndex()
+    root, keys = make_chain(1)
+    with pytest.raises(KVStoreError, match="32 bytes"):
+        index.lookup_prefix([b"short"])
+    with pytest.raises(KVStoreError, match="32 bytes"):
+        index.publish([IndexEntry(keys[0], "node-a", 1, b"short-parent", root)])
+    assert index.num_keys() == 0
 
 
 # --- Redis-only behaviour -----------------------------------------------------------------------
