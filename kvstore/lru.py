@@ -43,6 +43,7 @@ PIN_SOFT = 1
 PIN_HARD = 2
 
 _EMPTY = -1
+_ROW = np.dtype("V32")  # one key row as a single value: a row compare is one numpy op
 _TOMB = -2
 
 
@@ -123,30 +124,30 @@ class LRUTable:
     # -- the hash table --------------------------------------------------------------------
 
     def _find(self, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Slot (or -1) and table position (or -1) of each packed key.
+        """Slot (or -1) of each packed key, and its table position (meaningful where found).
 
         The whole batch probes together. At most half full, most keys sit at their home
-        position, so the first round is written without sub-indexing (a handful of numpy calls:
-        this is every lookup's path); only keys that collided go round the loop.
+        position, so the first round is written without sub-indexing and compares whole
+        32-byte rows as one void value (a handful of numpy calls: this is every lookup's
+        path); only keys that collided go round the loop.
         """
         mask = len(self._table) - 1
+        rows = self.keys.view(_ROW)[:, 0]
+        want = packed.view(_ROW)[:, 0]
         pos = (packed[:, 0] & np.uint64(mask)).astype(np.int64)
         s = self._table[pos].astype(np.int64)
         # s == -1 reads the last row: a harmless compare, masked out by s >= 0
-        match = (self.keys[s] == packed).all(axis=1) & (s >= 0)
+        match = (rows[s] == want) & (s >= 0)
         slots = np.where(match, s, -1)
-        where = np.where(match, pos, -1)
-        active = np.flatnonzero((s != _EMPTY) & ~match)
+        active = np.flatnonzero(~match & (s != _EMPTY))
         while active.size:
             pos[active] = (pos[active] + 1) & mask
             p = pos[active]
             s = self._table[p].astype(np.int64)
-            match = (self.keys[s] == packed[active]).all(axis=1) & (s >= 0)
-            hit = active[match]
-            slots[hit] = s[match]
-            where[hit] = p[match]
-            active = active[(s != _EMPTY) & ~match]
-        return slots, where
+            match = (rows[s] == want[active]) & (s >= 0)
+            slots[active[match]] = s[match]
+            active = active[~match & (s != _EMPTY)]
+        return slots, pos
 
     def _place(self, packed: np.ndarray, slots: np.ndarray) -> None:
         """Put absent, distinct keys into the table (first free position along each probe)."""

@@ -105,14 +105,11 @@ class TableIndex:
         cache = self._mask_names
         if len(cache) > _MAX_CACHED_MASKS:
             cache.clear()
-        out: list[list[str]] = []
-        for m in masks.tolist():
-            names = cache.get(m)
-            if names is None:
-                names = cache[m] = tuple(sorted(
-                    n for b, n in enumerate(self._names) if m >> b & 1 and n is not None))
-            out.append(list(names))
-        return out
+        mask_list = masks.tolist()
+        for m in set(mask_list).difference(cache):  # a chain has one or two distinct masks
+            cache[m] = tuple(sorted(n for b, n in enumerate(self._names)
+                                    if m >> b & 1 and n is not None))
+        return list(map(list, map(cache.__getitem__, mask_list)))  # C loops, no per-key bytecode
 
     # -- the Index protocol ----------------------------------------------------------------
 
