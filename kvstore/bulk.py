@@ -1,16 +1,18 @@
-"""The bulk byte channel: remote block reads over plain TCP, straight from the arena file.
+"""The bulk byte channel: remote block reads over plain TCP, straight from the arena.
 
 Why not gRPC for the bytes: Python gRPC copies every payload at least three times (arena ->
 ``bytes`` for protobuf -> HTTP/2 frames -> the caller's ``bytes``) and pays a per-message cost
-in Python. Measured on the 2-core dev box (benchmarks/bench_transfer.py --quick, loopback,
-server in another process, noisy): gRPC Get moved 0.43 GB/s at 2 MiB and 0.45 GB/s at 64 KiB,
-Redis MGET 0.57 / 1.28 GB/s, a raw loopback socket 3.0 GB/s, and this channel 1.8 GB/s at
-2 MiB (3.2x Redis) and 1.5 GB/s at 64 KiB in batches of 32. So gRPC stays for control and
-puts, and payloads move with ``socket.sendfile`` from the arena file (no user-space copy on the
-server) into buffers the reader preallocated (``recv_into``: the kernel's copy only).
+in Python: it moved ~0.5 GB/s here at 2 MiB and 64 KiB, where a raw loopback socket moves 3-8
+GB/s (benchmarks/bench_transfer.py). So gRPC stays for control and puts, and payloads move on
+this channel: the server sends each run of adjacent leased blocks with one ``sendall`` from its
+read-only mapping of the arena, and the reader scatters a whole reply into the buffers it
+preallocated with one ``recvmsg_into`` (the kernel's two copies only). ``sendfile`` from the
+arena file was measured and dropped: on loopback from tmpfs it moved 1.6 GB/s at 3x the sender
+CPU of ``sendall`` from the mapping (5.0 GB/s), the page-by-page splice costing more than the
+copy it saves. A many-block read is pipelined: requests of 32 blocks, 4 in flight.
 
-Protocol (all integers little-endian; one request at a time per connection, connections
-are reused)::
+Protocol (all integers little-endian; connections are reused, requests on one are answered
+in order, and a client may send the next before the last answer has arrived)::
 
     request : "KVB1" | u32 body_len | msgpack {"t": token, "k": [key, ...], "r": reader}
     response: "KVB1" | u8 status | u32 msg_len | msg (utf-8)
@@ -44,6 +46,7 @@ from kvstore.errors import (
     Unauthenticated,
 )
 from kvstore.keys import KEY_NBYTES
+from kvstore.shm_reader import ShmReader
 
 MAGIC = b"KVB1"
 MISSING = (1 << 64) - 1
@@ -61,7 +64,7 @@ _IOV_MAX = 1024  # Linux's UIO_MAXIOV: buffers per recvmsg_into call
 
 
 def set_kernel_timeouts(sock: socket.socket, recv_s: float, send_s: float) -> None:
-    """Blocking socket with kernel-side timeouts: MSG_WAITALL and sendfile then work in one
+    """Blocking socket with kernel-side timeouts: MSG_WAITALL and sendall then work in one
     syscall, where Python's own timeouts would make the socket non-blocking and poll."""
     sock.settimeout(None)
     for opt, secs in ((socket.SO_RCVTIMEO, recv_s), (socket.SO_SNDTIMEO, send_s)):
@@ -145,12 +148,14 @@ class BulkServer:
             self._ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             self._ssl.load_cert_chain(config.tls_cert_file, config.tls_key_file)
         self._listener: socket.socket | None = None
+        self._arena: ShmReader | None = None  # the pool's arena, mapped read-only to send from
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
 
     def start(self) -> int:
         """Bind, start accepting, and return the port."""
+        self._arena = ShmReader(self.pool.path)
         lst = socket.create_server((self.config.host, self.config.bulk_port), backlog=128)
         self._listener = lst
         threading.Thread(target=self._accept_loop, name="kvstore-bulk-accept",
@@ -169,6 +174,9 @@ class BulkServer:
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
+        if self._arena is not None:
+            with contextlib.suppress(BufferError):  # a send still unwinding holds a view
+                self._arena.close()
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -189,15 +197,13 @@ class BulkServer:
             set_kernel_timeouts(raw, IDLE_TIMEOUT_S, SEND_TIMEOUT_S)
             if self._ssl is not None:
                 conn = self._ssl.wrap_socket(raw, server_side=True)
-            # One file object per connection: the TLS fallback of sendfile seeks it.
-            with open(self.pool.path, "rb", buffering=0) as arena:
-                while not self._stopped.is_set():
-                    try:
-                        head = _recv_exact(conn, _REQ.size)
-                    except NodeUnavailable:
-                        return  # the client closed its connection between requests
-                    if not self._serve_one(conn, head, arena):
-                        return
+            while not self._stopped.is_set():
+                try:
+                    head = _recv_exact(conn, _REQ.size)
+                except NodeUnavailable:
+                    return  # the client closed its connection between requests
+                if not self._serve_one(conn, head):
+                    return
         except (OSError, ssl.SSLError, NodeUnavailable):
             return  # a vanished or broken client ends only its own connection
         finally:
@@ -210,7 +216,7 @@ class BulkServer:
         body = msg.encode()
         conn.sendall(_RESP.pack(MAGIC, status, len(body)) + body)
 
-    def _serve_one(self, conn: socket.socket, head: bytes, arena: Any) -> bool:
+    def _serve_one(self, conn: socket.socket, head: bytes) -> bool:
         """Answer one request; False when the connection must close."""
         magic, body_len = _REQ.unpack(head)
         if magic != MAGIC:
@@ -242,6 +248,8 @@ class BulkServer:
             self._reply(conn, STATUS_ERROR, f"{type(exc).__name__}: {exc}")
             return False
         try:
+            arena = self._arena
+            assert arena is not None, "start() maps the arena before any connection"
             where = {loc.key: loc for loc in lease.locations}
             # Reported before the bytes go out, so a reader that has its blocks can rely on the
             # read being counted (hot-prefix replication; tests that check it do not race).
@@ -259,7 +267,7 @@ class BulkServer:
                 conn.sendall(head)
             total = 0
             for offset, nbytes in _coalesce([loc for loc in locs if loc is not None]):
-                conn.sendfile(arena, offset, nbytes)
+                conn.sendall(arena.view(offset, nbytes))
                 total += nbytes
             count_out("bulk", len(where), total)
         finally:
@@ -268,7 +276,7 @@ class BulkServer:
 
 
 def _coalesce(locs: Sequence[Any]) -> list[tuple[int, int]]:
-    """Merge blocks that lie back to back in the arena into one sendfile range."""
+    """Merge blocks that lie back to back in the arena into one send."""
     ranges: list[tuple[int, int]] = []
     for loc in locs:
         if ranges and ranges[-1][0] + ranges[-1][1] == loc.offset:

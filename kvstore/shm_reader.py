@@ -78,6 +78,11 @@ class ShmReader:
             )
         return self._arr[location.offset : location.offset + location.nbytes]
 
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """A read-only view of ``[offset, offset + nbytes)``: valid only under a lease on every
+        block in it (the bulk server sends from it: one copy into the socket, no sendfile)."""
+        return memoryview(self._src(BlockLocation(b"", offset, nbytes)))  # type: ignore[arg-type]
+
     def copy_into(self, location: BlockLocation, dst: Buffer) -> int:
         """Copy one block's bytes to the start of ``dst``; returns the bytes copied."""
         src = self._src(location)
