@@ -1,11 +1,14 @@
 """The global index: which nodes hold which block, its size, parent, namespace and last use.
 
 Metadata only, never bytes (as Mooncake's master): store nodes hold the blocks, the index says
-where they are. Two backends keep the same contract: ``InMemoryIndex`` (embedded, one process,
-no server) and ``kvstore.redis_index.RedisIndex`` (shared by a cluster; a longest-prefix lookup
-is one round trip). ``make_index`` picks one from ``IndexConfig``.
+where they are. Three backends keep the same contract: ``InMemoryIndex`` (dicts, one process,
+no server: for tests and in-process users), ``kvstore.table_index.TableIndex`` (the compact
+table the coordinator uses in memory mode: ~150 B per block instead of ~470 B, and the LRU
+table itself) and ``kvstore.redis_index.RedisIndex`` (shared by a cluster; a longest-prefix
+lookup is one round trip). ``make_index`` picks dicts or Redis from ``IndexConfig``; the
+coordinator builds its ``TableIndex`` itself, since it shares the table with its LRU.
 
-Contract shared by both backends (tests/test_index.py checks them against one model):
+Contract shared by every backend (tests/test_index.py checks them against one model):
 - a key exists while it has at least one holder; removing its last holder removes the key;
 - ``lookup_prefix`` counts the *leading* keys that have a holder and stops at the first miss,
   because a chained key is only useful when every block before it is cached too;
