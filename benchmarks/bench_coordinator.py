@@ -121,9 +121,10 @@ def bench_ray(keys: list[bytes], repeats: int) -> dict[str, float]:
 
     from kvstore.coordinator import Coordinator
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        actor = ray.remote(Coordinator).options(num_cpus=0).remote(KVStoreConfig())
+        # Any: the actor handle's methods are typed as the plain class's, without .remote.
+        actor: Any = ray.remote(Coordinator).options(num_cpus=0).remote(KVStoreConfig())
         entries = [IndexEntry(k, "n0", 1 << 20, ROOT, ROOT) for k in keys[:10_000]]
         ray.get(actor.register_node.remote("n0", NodeAddress("n0", "n0:1"), 1 << 50, entries))
         stats = PoolStats(1 << 50, 0, len(entries), 0, 0, 0, 0, 0)

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 
-def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None
+def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], object] | None = None
                ) -> argparse.Namespace:
     """The common flags: ``--quick`` (under a minute) and ``--json PATH``."""
     parser = argparse.ArgumentParser(description=description)
