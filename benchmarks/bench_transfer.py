@@ -58,17 +58,20 @@ srv.stop(0)
 pool.close()
 """
 
-# Sends `n` bytes from a preallocated buffer each time it reads one request byte.
+# Per request byte, sends the next `n` bytes of a `total`-byte buffer (wrapping): like the store,
+# it sends distinct, cache-cold memory, not the same cache-hot bytes every time.
 TCP_SENDER = """
 import socket, sys
-n = int(sys.argv[1])
+n, total = int(sys.argv[1]), int(sys.argv[2])
 lst = socket.create_server(("127.0.0.1", 0))
 print(lst.getsockname()[1], flush=True)
 conn, _ = lst.accept()
 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-payload = memoryview(bytearray(b"x" * n))
+data = memoryview(bytearray(b"x" * total))
+off = 0
 while conn.recv(1):
-    conn.sendall(payload)
+    conn.sendall(data[off:off + n])
+    off = (off + n) % total
 """
 
 
@@ -103,8 +106,9 @@ class RawTcp:
     """A loopback sender in another process: per request byte, ``total`` bytes back, read with
     one ``recv_into`` per block (the bulk channel's traffic without its protocol or lease)."""
 
-    def __init__(self, total: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", TCP_SENDER, str(total)],
+    def __init__(self, total: int, source_nbytes: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", TCP_SENDER, str(total),
+                                      str(source_nbytes)],
                                      stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         self.sock = socket.create_connection(("127.0.0.1", int(self.proc.stdout.readline())))
@@ -205,7 +209,7 @@ def main() -> None:
     grpc_addr, bulk_addr = f"127.0.0.1:{grpc_port}", f"127.0.0.1:{bulk_port}"
     node = NodeAddress("bench", grpc_addr, bulk_addr, shm_path)
     redis = start_redis_server()
-    tcp_big, tcp_small = RawTcp(32 * big_nb), RawTcp(32 * small_nb)
+    tcp_big, tcp_small = RawTcp(32 * big_nb, total_big), RawTcp(32 * small_nb, total_small)
     t: dict[str, float] = {}
     try:
         bulk = StoreNodeClient(grpc_addr, bulk_address=bulk_addr, config=cfg)
