@@ -322,12 +322,15 @@ class BulkClient:
                 raise NodeUnavailable(f"TLS handshake with {self.address} failed: {exc}") from exc
         return sock
 
-    def fetch_into(self, keys: Sequence[bytes], alloc: Callable[[int, int], memoryview]
+    def fetch_into(self, keys: Sequence[bytes], alloc: Callable[[int, int], memoryview],
+                   on_batch: Callable[[int, list[int | None]], None] | None = None
                    ) -> list[int | None]:
         """Fetch ``keys``; block ``i`` of ``n`` bytes goes into ``alloc(i, n)``.
 
         Many keys go out as requests of ``request_blocks``, up to ``pipeline_depth`` of them
         in flight on one connection, so the node never idles waiting for the next request.
+        ``on_batch(first_index, sizes)`` runs as each request's blocks are in (e.g. to verify
+        them while the node is already sending the next ones).
         Returns each block's size (None for a key the node does not hold). Raises
         NodeUnavailable if the node dies mid-stream: then no block of the call is valid.
         """
@@ -361,7 +364,10 @@ class BulkClient:
                         _send_all(sock, requests[sent])
                         sent += 1
                     head = _recv_exact(sock, _RESP.size)
-                out += self._read_body(sock, head, keys[lo:hi], _shifted(alloc, lo))
+                sizes = self._read_body(sock, head, keys[lo:hi], _shifted(alloc, lo))
+                out += sizes
+                if on_batch is not None:
+                    on_batch(lo, sizes)
         except BaseException:
             sock.close()  # the stream is out of step: never reuse it
             raise

@@ -296,18 +296,26 @@ class StoreNodeClient:
         keys = [bytes(k) for k in keys]
         if self.same_node:
             return self._shm_get_into(keys, buffers, namespace, token_ids)
-        sizes = self.get_blocks_into(keys, buffers)
-        out: list[int | KVStoreError | None] = []
-        for key, tokens, buf, size in zip(keys, token_ids, buffers, sizes, strict=True):
-            if size is None:
-                out.append(None)
-                continue
-            try:
-                verify_block(_byte_view(buf)[:size], namespace, key, tokens)
-            except (BlockCorrupted, BlockMismatch) as exc:  # NamespaceMismatch is a Mismatch
-                out.append(exc)
-                continue
-            out.append(size)
+        out: list[int | KVStoreError | None] = [None] * len(keys)
+
+        def verify(lo: int, sizes: Sequence[int | None]) -> None:
+            for i, size in enumerate(sizes, lo):
+                if size is None:
+                    continue
+                try:
+                    verify_block(_byte_view(buffers[i])[:size], namespace, keys[i], token_ids[i])
+                except (BlockCorrupted, BlockMismatch) as exc:  # NamespaceMismatch included
+                    out[i] = exc
+                    continue
+                out[i] = size
+
+        if self._bulk is not None:
+            # Verified request by request, while the node already streams the next one.
+            sizes = self._bulk.fetch_into(keys, lambda i, n: _byte_view(buffers[i]), verify)
+            count_in("bulk", sum(s is not None for s in sizes),
+                     sum(s for s in sizes if s is not None))
+        else:
+            verify(0, self.get_blocks_into(keys, buffers))
         return out
 
     def _shm_get_into(self, keys: list[bytes], buffers: Sequence[Buffer],
