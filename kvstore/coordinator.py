@@ -34,12 +34,16 @@ class Coordinator:
         # Liveness does not wait for heartbeats: a lone node that dies must still be dropped.
         # The actor is threaded (max_concurrency > 1) and the core is locked, so a thread is
         # safe here; a sweep every quarter timeout declares a node dead within 1.25 timeouts.
-        self._reaper = Reaper(self._core.check_liveness,
-                              min(cfg.heartbeat_interval_s, cfg.node_timeout_s / 4))
+        self._reaper = Reaper(self._tick, min(cfg.heartbeat_interval_s, cfg.node_timeout_s / 4))
         if cfg.metrics_port is not None:
             from kvstore.metrics import start_metrics_server
 
             start_metrics_server(cfg.metrics_port)
+
+    def _tick(self) -> None:
+        """The reaper's sweep: an index that lost its data first, then silent nodes."""
+        self._core.check_index()
+        self._core.check_liveness()
 
     def epoch(self) -> int:
         """Changes on every (re)start: nodes re-register when they see a new one."""

@@ -8,7 +8,9 @@ cannot stall the coordinator.
 Recovery: every start bumps the epoch. Store nodes see the new epoch in a heartbeat reply and
 re-announce everything they hold; ``register_node`` reconciles the index with that (adding
 missing holders, dropping ones the node no longer has) and counts the difference as drift.
-With Redis the index (and so the LRU table) is also reloaded at start.
+With Redis the index (and so the LRU table) is also reloaded at start, and a marker key holds
+the epoch: when ``check_index`` finds it gone (Redis restarted empty, or was flushed), the
+epoch is bumped so every live node re-announces what it holds and the index is rebuilt.
 
 Two index modes. Embedded (``index.backend == "memory"``): the index *is* the LRU table
 (``TableIndex``), so every block is stored once, in one compact row, and the index's node bits
@@ -18,6 +20,7 @@ readers and the LRU table mirrors it for eviction, so writes go to both.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -34,6 +37,8 @@ from kvstore.lru import PIN_HARD, PIN_NONE, PIN_SOFT, LRUTable
 from kvstore.pins import PinTable
 from kvstore.pool import PoolStats
 from kvstore.table_index import TableIndex
+
+log = logging.getLogger(__name__)
 
 #: a (key, reader) pair counted toward replication; the counter is cleared past this size
 _MAX_HOT_COUNTERS = 100_000
@@ -88,6 +93,9 @@ class CoordinatorCore:
             self.lru = LRUTable()
             self._lock = threading.RLock()
         self._reload()
+        set_marker = getattr(self.index, "set_marker", None)
+        if set_marker is not None:
+            set_marker(self.epoch)
 
     def _ensure(self, node_id: str, now: float) -> NodeState:
         """The node's state; in embedded mode its slot is its bit in the index."""
@@ -122,6 +130,24 @@ class CoordinatorCore:
             self.lru.add(node.slot, [i.key for i in infos], [i.parent_key for i in infos],
                          [i.nbytes for i in infos], [i.namespace_root for i in infos])
             self.metrics["reloaded_blocks"] += len(infos)
+
+    def check_index(self) -> bool:
+        """Bump the epoch when a persistent index lost its data (its epoch marker is gone), so
+        every live node re-announces what it holds; True if it did. Runs on the reaper tick."""
+        claim = getattr(self.index, "claim_marker", None)
+        if claim is None:  # embedded or in-memory index: it cannot be lost without us
+            return False
+        candidate = max(time.time_ns() // 1_000, self.epoch + 1)
+        if not claim(candidate):  # the marker is there: the index still has its data
+            return False
+        with self._lock:
+            self.epoch = candidate
+            # what the index lost: the blocks our LRU table still tracks for live nodes
+            self.metrics["index_resets"] += 1
+            self.metrics["index_lost_blocks"] += self.lru.num_blocks
+            log.warning("kvstore index lost its data (epoch marker missing): %d blocks, "
+                        "new epoch %d, live nodes re-announce", self.lru.num_blocks, candidate)
+        return True
 
     def register_node(self, node_id: str, address: NodeAddress, capacity_bytes: int,
                       entries: Sequence[IndexEntry]) -> int:

@@ -8,6 +8,7 @@ Layout (``P`` is the key prefix, ``<key>`` the raw 32-byte block key, ``<ns>`` a
     P s:<ns>    set   the keys of a namespace                (invalidate --namespace)
     P keys      set   every key with a holder                (num_keys)
     P nodes     set   every node holding a key               (nodes)
+    P epoch     string the coordinator's epoch               (notices a Redis that lost its data)
 
 Every write is a Lua script, so a key, its holders and the three reverse sets never disagree,
 even with many writers; ``lookup_prefix`` is one script that walks the chain and stops at the
@@ -252,6 +253,16 @@ class RedisIndex:
                 total += int(n)
                 if int(left) == 0:
                     return total
+
+    def set_marker(self, epoch: int) -> None:
+        """Write the coordinator's epoch; its absence later means Redis lost its data."""
+        with self._errors():
+            self._r.set(self._prefix + b"epoch", str(epoch))
+
+    def claim_marker(self, epoch: int) -> bool:
+        """Write ``epoch`` only if no marker exists; True when it was missing (data lost)."""
+        with self._errors():
+            return bool(self._r.set(self._prefix + b"epoch", str(epoch), nx=True))
 
     def keys_of_node(self, node_id: str) -> list[bytes]:
         """The keys a node holds."""

@@ -22,7 +22,9 @@ from kvstore.config import CoordinatorConfig, IndexConfig, KVStoreConfig
 from kvstore.coordinator_core import CoordinatorCore
 from kvstore.index import Index, IndexEntry, InMemoryIndex
 from kvstore.pool import PoolStats
+from kvstore.redis_proc import RedisProcess, start_redis_server
 from kvstore.table_index import TableIndex
+from tests.conftest import require_redis_server
 
 ROOT = hashlib.sha256(b"ns-a").digest()
 ROOT_B = hashlib.sha256(b"ns-b").digest()
@@ -377,6 +379,40 @@ def test_embedded_node_slot_is_its_index_bit() -> None:
     assert core.lru.node_bytes(c_bit) == BLOCK
 
 
+@pytest.fixture
+def private_redis() -> Iterator[RedisProcess]:
+    """A redis-server of this test's own: restarting it disturbs no other test."""
+    require_redis_server()
+    server = start_redis_server()
+    yield server
+    server.stop()
+
+
+@pytest.mark.redis
+def test_redis_restarted_empty_bumps_the_epoch_and_nodes_rebuild_it(
+        private_redis: RedisProcess) -> None:
+    from kvstore.redis_index import RedisIndex
+
+    index = RedisIndex(private_redis.url, key_prefix="t:")
+    core = make_core(index=index)
+    chain = make_chain(4, "lost")
+    register(core, "a", [chain])
+    epoch = core.epoch
+    assert not core.check_index()  # the marker is there: nothing to do
+    private_redis.restart()  # no persistence: it comes back empty
+    assert index.lookup_prefix(chain).num_blocks == 0
+    assert core.check_index()
+    assert core.epoch != epoch
+    assert core.metrics["index_resets"] == 1 and core.metrics["index_lost_blocks"] == 4
+    assert not core.check_index()  # noticed once, not on every tick
+    reply = core.heartbeat("a", make_stats(1000, 400), [], {})
+    assert reply.epoch == core.epoch  # the node sees a new epoch and re-announces
+    register(core, "a", [chain])
+    assert index.lookup_prefix(chain).num_blocks == 4
+    assert index.holders(chain) == [["a"]] * 4
+    index.close()
+
+
 # -- the real actor on a local Ray ----------------------------------------------------------
 
 
@@ -452,3 +488,31 @@ def test_actor_restart_redis_index(ray_local: None, redis_server) -> None:
     config = KVStoreConfig(index=IndexConfig(backend="redis", redis_url=redis_server.url,
                                              key_prefix=f"t-{uuid.uuid4().hex[:8]}:"))
     _restart_keeps_reannounced_blocks(config, persistent=True)
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+def test_actor_notices_redis_restarted_empty_and_nodes_reannounce(
+        ray_local: None, private_redis: RedisProcess) -> None:
+    """The reaper tick finds the epoch marker gone; the next heartbeat carries a new epoch."""
+    import ray
+
+    from kvstore.redis_index import RedisIndex
+
+    config = KVStoreConfig(
+        index=IndexConfig(backend="redis", redis_url=private_redis.url, key_prefix="a:"),
+        coordinator=CoordinatorConfig(heartbeat_interval_s=0.1, node_timeout_s=30))
+    handle = _start_actor(config)
+    chain = make_chain(3, uuid.uuid4().hex)
+    entries = make_entries("a", chain)
+    epoch = ray.get(handle.register_node.remote("a", NodeAddress("a", "a:1"), 1000, entries))
+    private_redis.restart()
+    assert wait_for(lambda: ray.get(handle.heartbeat.remote(
+        "a", make_stats(1000, 300), [], {})).epoch != epoch, 10.0)
+    index = RedisIndex(private_redis.url, key_prefix="a:")
+    assert index.lookup_prefix(chain).num_blocks == 0
+    ray.get(handle.register_node.remote("a", NodeAddress("a", "a:1"), 1000, entries))
+    assert index.lookup_prefix(chain).num_blocks == 3
+    assert ray.get(handle.status.remote())["metrics"]["index_resets"] == 1
+    index.close()
+    ray.kill(handle, no_restart=True)
