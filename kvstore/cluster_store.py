@@ -75,7 +75,8 @@ class ClusterStore:
                   token_ids: Sequence[TokenIds]) -> list[FetchedBlock | Miss]:
         if len(keys) != len(token_ids):
             raise ValueError(f"{len(keys)} keys but {len(token_ids)} token lists")
-        # One allocation for the batch, not one per block: the payloads are views into it.
+        # One allocation for the batch, not one per block: the payloads are views into it, so
+        # the batch's memory lives as long as any of them (callers copy them into their pool).
         return self.batch_get_into(namespace, keys, token_ids,
                                    new_block_buffer(namespace, len(keys)))
 
