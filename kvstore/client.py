@@ -10,6 +10,7 @@ raised. A fetch either returns whole blocks or raises: a node that dies mid-stre
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -152,8 +153,9 @@ class StoreNodeClient:
                                 pipeline_depth=cfg.bulk_pipeline_depth) if bulk_address else None
         self._shm: Any = None
         self._shm_lock = threading.Lock()
-        self._pending: set[Any] = set()  # release futures still in flight
-        self._pending_lock = threading.Lock()
+        self._releases: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._releaser: threading.Thread | None = None  # started by the first release_nowait
+        self._release_lock = threading.Lock()
 
     @property
     def has_bulk(self) -> bool:
@@ -389,17 +391,23 @@ class StoreNodeClient:
 
     def release_nowait(self, lease_id: str) -> None:
         """End a lease without waiting for the reply: the bytes are already copied, and a
-        release that fails costs nothing but the lease running to its TTL."""
-        fut = self._stub.ReleaseLease.future(pb.ReleaseLeaseRequest(lease_id=lease_id),
-                                             timeout=self.config.timeout_s,
-                                             metadata=self._metadata)
-        with self._pending_lock:  # gRPC cancels a call whose future is garbage-collected
-            self._pending.add(fut)
-        fut.add_done_callback(self._forget_pending)
+        release that fails costs nothing but the lease running to its TTL.
 
-    def _forget_pending(self, fut: Any) -> None:
-        with self._pending_lock:
-            self._pending.discard(fut)
+        One long-lived thread sends them: a gRPC future per release measured ~0.5 ms each
+        (gRPC starts a channel thread whenever no other call is in flight), a blocking
+        release ~0.7 ms of the reader's time.
+        """
+        with self._release_lock:
+            if self._releaser is None:
+                self._releaser = threading.Thread(target=self._release_loop, daemon=True,
+                                                  name="kvstore-release")
+                self._releaser.start()
+        self._releases.put(lease_id)
+
+    def _release_loop(self) -> None:
+        while (lease_id := self._releases.get()) is not None:
+            with contextlib.suppress(KVStoreError):  # the lease expires on its own anyway
+                self.release(lease_id)
 
     # -- admin ------------------------------------------------------------------------------
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
@@ -433,11 +441,11 @@ class StoreNodeClient:
 
     def close(self) -> None:
         """Close the channel, idle bulk connections and the shared-memory mapping."""
-        with self._pending_lock:
-            pending = list(self._pending)
-        for fut in pending:  # let in-flight releases land rather than leave leases to expire
-            with contextlib.suppress(Exception):
-                fut.result(timeout=1.0)
+        with self._release_lock:
+            releaser, self._releaser = self._releaser, None
+        if releaser is not None:  # let queued releases land rather than leave leases to expire
+            self._releases.put(None)
+            releaser.join(timeout=2.0)
         self._channel.close()
         if self._bulk is not None:
             self._bulk.close()
