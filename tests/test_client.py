@@ -17,7 +17,13 @@ import pytest
 from kvstore.bulk import MAGIC
 from kvstore.client import StoreNodeClient
 from kvstore.config import ClientConfig, ServerConfig
-from kvstore.errors import InvalidRequest, NodeUnavailable, RequestTooLarge, Unauthenticated
+from kvstore.errors import (
+    InvalidRequest,
+    LeaseExpired,
+    NodeUnavailable,
+    RequestTooLarge,
+    Unauthenticated,
+)
 from kvstore.pool import BlockPool
 from kvstore.server import StoreServer
 from tests.test_server import make_blocks, make_namespace, make_self_signed
@@ -306,3 +312,41 @@ def test_tls_client(tmp_path: Path) -> None:
     finally:
         srv.stop(0)
         pool.close()
+
+
+def test_slow_same_node_copy_renews_its_lease_and_a_lost_lease_is_typed(server) -> None:
+    """The lease is renewed between blocks once a third of its TTL is gone; if the node no
+    longer knows the lease, the read fails with LeaseExpired instead of trusting the bytes."""
+    srv, pool = server
+    grpc_addr, _ = srv.addresses
+    client = StoreNodeClient(grpc_addr, shm_path=pool.path, same_node=True, config=FAST,
+                             lease_ttl_s=0.3)
+    ns = make_namespace()
+    keys, tokens, blocks = make_blocks(ns, 3)
+    client.put_blocks(ns, list(zip(keys, blocks, strict=True)))
+    reader = client._reader()
+    renewals: list[str] = []
+    real_copy, real_renew = reader.copy_verified_into, client.renew
+
+    def slow_copy(*args, **kwargs):
+        time.sleep(0.12)
+        return real_copy(*args, **kwargs)
+
+    def counting_renew(lease_id: str, ttl_s: float) -> float:
+        renewals.append(lease_id)
+        return real_renew(lease_id, ttl_s)
+
+    reader.copy_verified_into = slow_copy  # type: ignore[method-assign]
+    client.renew = counting_renew  # type: ignore[method-assign]
+    bufs = [bytearray(len(blocks[0])) for _ in keys]
+    got = client.get_verified_into(ns, keys, tokens, bufs)
+    assert got == [len(b) for b in blocks] and bufs == blocks and renewals
+
+    def forgetting_renew(lease_id: str, ttl_s: float) -> float:
+        client.release(lease_id)  # the node forgets the lease (as if it expired there)
+        return real_renew(lease_id, ttl_s)
+
+    client.renew = forgetting_renew  # type: ignore[method-assign]
+    with pytest.raises(LeaseExpired):
+        client.get_verified_into(ns, keys, tokens, bufs)
+    client.close()
