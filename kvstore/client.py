@@ -39,7 +39,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import Namespace
 from kvstore.pool import BlockLocation
-from kvstore.server import AUTH_HEADER, grpc_options, spec_from_namespace
+from kvstore.wire import AUTH_HEADER, grpc_options, spec_from_namespace
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 
