@@ -90,6 +90,14 @@ def test_launcher_starts_token_auth_redis_and_kvstore(name: str) -> None:
     assert config["file_mounts"] == {"~/.ray/auth_token": "~/.ray/auth_token"}
 
 
+def test_local_head_runs_autoscaler_v1() -> None:
+    """The local provider's head must run autoscaler v1: v2 launches one of the two workers."""
+    config = yaml.safe_load((DEPLOY / "cluster.yaml").read_text())
+    (start,) = [c for c in config["head_start_ray_commands"] if "ray start --head" in c]
+    # `ray up` prepends `export RAY_enable_autoscaler_v2=1; `: an inline assignment wins.
+    assert re.search(r"(^|[;\s])RAY_enable_autoscaler_v2=0 [^;]*ray start --head", start), start
+
+
 def test_every_key_of_cluster_yaml_is_commented() -> None:
     """Ray's examples comment every key; a new key without a comment above it fails here."""
     lines = (DEPLOY / "cluster.yaml").read_text().splitlines()

@@ -10,6 +10,7 @@ YAML uses): nothing of it is visible outside the host.
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 import time
@@ -65,6 +66,15 @@ def private_home(host: Host) -> Path:
     return home
 
 
+def ssh(user_key: Path, host: Host, command: str, timeout: float = 60.0
+        ) -> subprocess.CompletedProcess:
+    """Run ``command`` in a login shell on ``host`` as root, as `ray up` does (its PATH, token)."""
+    return run(["ssh", "-i", str(user_key), "-o", "BatchMode=yes", "-o",
+                "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o",
+                "ConnectTimeout=3", "-o", "LogLevel=ERROR", f"root@{host.ip}",
+                f"bash --login -c {shlex.quote(command)}"], check=False, timeout=timeout)
+
+
 def start_sshd(net: Network, host: Host, keys_dir: Path, logs: Path) -> subprocess.Popen:
     """sshd inside ``host`` on its address, port 22; returns once it accepts connections."""
     Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
@@ -75,9 +85,7 @@ def start_sshd(net: Network, host: Host, keys_dir: Path, logs: Path) -> subproce
     proc = net.spawn(host, [SSHD, "-D", "-e", "-f", str(config)], logs / f"sshd-{host.name}.log")
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        probe = run(["ssh", "-i", str(keys_dir / "id_ed25519"), "-o", "BatchMode=yes",
-                     "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-                     "-o", "ConnectTimeout=3", f"root@{host.ip}", "echo ok"], check=False)
+        probe = ssh(keys_dir / "id_ed25519", host, "echo ok", timeout=10)
         if probe.stdout.strip() == "ok":
             return proc
         time.sleep(0.3)

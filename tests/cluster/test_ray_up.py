@@ -4,6 +4,8 @@ Runs last (file order): it reboots the session's hosts, ending their harness-sta
 brings the cluster up the way a user does. The rendered YAML differs from deploy/cluster.yaml
 only where this machine needs it: addresses, user and key, no pip install (every host already
 shares this machine's installed kvstore and no index is reachable), and a small --capacity.
+Then the stop steps of the YAML's header: `ray exec ... "kvstore stop"`, `ray down -y`, and
+`ray stop` on each worker over SSH, checking that no Ray process is left on any host.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -44,19 +47,33 @@ def render(hosts: list[netns.Host], user_key: Path) -> dict:
 
 
 def launcher_env(home: Path, token: str) -> dict[str, str]:
-    """`ray up`/`ray job submit` from the root namespace: a private HOME holding the token."""
+    """`ray up`/`ray job submit` from the root namespace: a private HOME and TMPDIR.
+
+    HOME holds the token; TMPDIR keeps the launcher's local-provider state file
+    ($TMPDIR/ray/cluster-kvstore.state) out of this machine's shared /tmp/ray.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(HEALTH_ENV)
-    env.update({"HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
-                "RAY_USAGE_STATS_ENABLED": "0",
+    tmp = home / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    env.update({"HOME": str(home), "TMPDIR": str(tmp), "RAY_AUTH_MODE": "token",
+                "RAY_AUTH_TOKEN": token, "RAY_USAGE_STATS_ENABLED": "0",
                 "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}"})
     return env
 
 
 def ray_cli(env: dict[str, str], *args: str, timeout: float = 300.0
             ) -> subprocess.CompletedProcess:
-    return subprocess.run(["ray", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+    """A `ray` CLI call in its own session, so a timeout kills its ssh/rsync children too."""
+    proc = subprocess.Popen(["ray", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\n[killed after {timeout:.0f}s]"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def num_alive(env: dict[str, str], head: netns.Host) -> int:
@@ -69,10 +86,54 @@ def num_alive(env: dict[str, str], head: netns.Host) -> int:
     return int(counts[-1][len("ALIVE="):]) if counts else 0
 
 
-@pytest.mark.xfail(strict=True, raises=TimeoutError, reason=(
-    "open: `ray up -y` succeeds over SSH and the head runs Ray, Redis and kvstore start, but "
-    "the head's autoscaler never brings up worker_ips within 150 s (its monitor log is in the "
-    "head's private /tmp/ray); not diagnosed yet"))
+def host_processes(host: netns.Host) -> list[str]:
+    """Command lines of every process in the host's PID namespace (its own /proc)."""
+    proc = subprocess.run(host.argv("ps", "-e", "-o", "args="), capture_output=True, text=True,
+                          timeout=30)
+    return proc.stdout.splitlines()
+
+
+def ray_processes(host: netns.Host) -> list[str]:
+    """The host's Ray processes: GCS, raylet, agents (run from Ray's package) and workers."""
+    return [a for a in host_processes(host)
+            if "site-packages/ray/" in a or a.startswith("ray::")]
+
+
+def monitor_tail(head: netns.Host, lines: int = 40) -> str:
+    """The end of the head's autoscaler log (in its private /tmp/ray), for failure messages."""
+    logs = sorted((head.temp_dir / "ray-tmp").glob("session_2*/logs/monitor.log"))
+    return "\n".join(logs[-1].read_text().splitlines()[-lines:]) if logs else "(no monitor.log)"
+
+
+def kill_marked(marker: str) -> list[int]:
+    """SIGKILL processes in this namespace whose command line holds ``marker`` (ssh masters).
+
+    The marker is this run's private key path, so only what this test's `ray` calls started
+    matches (ControlPersist masters outlive the `ray` process that spawned them).
+    """
+    killed = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if marker in cmdline.read_bytes().decode(errors="replace"):
+                pid = int(cmdline.parent.name)
+                if pid != os.getpid():
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return killed
+
+
+def store_node_ips(env: dict[str, str], head: netns.Host) -> set[str]:
+    """Addresses of the live store nodes `kvstore status --json` reports, asked from the head."""
+    proc = subprocess.run(head.argv("kvstore", "status", "--json"), capture_output=True,
+                          text=True, timeout=60, env=env)
+    if proc.returncode != 0:
+        return set()
+    nodes = json.loads(proc.stdout)["nodes"]
+    return {n["address"].rpartition(":")[0] for n in nodes if n.get("alive", True)}
+
+
 def test_ray_up_job_submit_ray_down(network: netns.Network, work_dir: Path) -> None:
     """ray up -y (head + two workers over SSH), ray job submit kvstore generate, ray down -y."""
     hosts = network.hosts
@@ -82,9 +143,6 @@ def test_ray_up_job_submit_ray_down(network: netns.Network, work_dir: Path) -> N
         host.kill()
         host.boot()
     _, user_key = sshd.make_keys(keys)
-    for host in hosts:
-        sshd.private_home(host)
-        sshd.start_sshd(network, host, keys, logs)
     home = work_dir / "launcher-home"
     token = secrets.token_hex(32)
     (home / ".ray").mkdir(parents=True, exist_ok=True)
@@ -92,12 +150,23 @@ def test_ray_up_job_submit_ray_down(network: netns.Network, work_dir: Path) -> N
     env = launcher_env(home, token)
     config = work_dir / "cluster-up.yaml"
     config.write_text(yaml.safe_dump(render(hosts, user_key)))
-
-    up = ray_cli(env, "up", "-y", "--no-config-cache", str(config), timeout=300)
-    (logs / "ray-up.log").write_text(up.stdout + up.stderr)
+    down = None
     try:
+        for host in hosts:
+            sshd.private_home(host)
+            sshd.start_sshd(network, host, keys, logs)
+        up = ray_cli(env, "up", "-y", "--no-config-cache", str(config), timeout=300)
+        (logs / "ray-up.log").write_text(up.stdout + up.stderr)
         assert up.returncode == 0, (up.stdout + up.stderr)[-4000:]
-        wait_for(lambda: num_alive(env, hosts[0]) == 3, 150, "both workers joined", 3)
+        try:
+            # The head's autoscaler SSHes into worker_ips; kvstore's watcher then gives each
+            # joined node a store node.
+            wait_for(lambda: num_alive(env, hosts[0]) == 3, 150, "both workers joined", 3)
+            want = {h.ip for h in hosts}
+            wait_for(lambda: store_node_ips(env, hosts[0]) == want, 60,
+                     f"a store node on each of {sorted(want)}", 2)
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}\nhead autoscaler log:\n{monitor_tail(hosts[0])}") from exc
         prompts = write_jsonl(work_dir / "up-prompts.jsonl", make_prompts()["base"])
         rows = {}
         for mode in ("cached", "no-cache"):
@@ -111,13 +180,30 @@ def test_ray_up_job_submit_ray_down(network: netns.Network, work_dir: Path) -> N
         assert [r["output_token_ids"] for r in rows["cached"]] == \
             [r["output_token_ids"] for r in rows["no-cache"]]
         assert [r["cached_tokens"] for r in rows["cached"]] == [0, 96, 96]
-        status = subprocess.run(hosts[0].argv("kvstore", "status", "--json"),
-                                capture_output=True, text=True, timeout=60, env=env)
-        assert status.returncode == 0, status.stderr[-2000:]
-        nodes = json.loads(status.stdout)["nodes"]
-        assert {n["address"].rpartition(":")[0] for n in nodes if n.get("alive", True)} == \
-            {h.ip for h in hosts}
-    finally:
+
+        stop = ray_cli(env, "exec", str(config), "kvstore stop", timeout=120)
+        (logs / "kvstore-stop.log").write_text(stop.stdout + stop.stderr)
+        assert stop.returncode == 0, (stop.stdout + stop.stderr)[-3000:]
+        wait_for(lambda: not any(a.startswith(("ray::StoreNode", "ray::Coordinator"))
+                                 for h in hosts for a in host_processes(h)),
+                 30, "the store node and coordinator actors to exit after kvstore stop")
         down = ray_cli(env, "down", "-y", str(config), timeout=180)
         (logs / "ray-down.log").write_text(down.stdout + down.stderr)
-    assert down.returncode == 0, (down.stdout + down.stderr)[-3000:]
+        assert down.returncode == 0, (down.stdout + down.stderr)[-3000:]
+        # `ray down` with the local provider runs `ray stop` on the head only (it just marks the
+        # workers terminated in its state file; their raylets exit ~50 s later, agents linger)...
+        assert not ray_processes(hosts[0]), f"Ray left on the head: {ray_processes(hosts[0])}"
+        # ... so stop each worker's Ray over SSH (deploy/cluster.yaml's header); none may be left.
+        for host in hosts[1:]:
+            stop_worker = sshd.ssh(user_key, host, "ray stop")
+            assert stop_worker.returncode == 0, stop_worker.stderr[-2000:]
+        left = {h.name: ray_processes(h) for h in hosts}
+        assert not any(left.values()), f"Ray processes left after ray down: {left}"
+    finally:
+        if down is None:  # failed before ray down: still stop the cluster the way a user would
+            down = ray_cli(env, "down", "-y", str(config), timeout=120)
+            (logs / "ray-down.log").write_text(down.stdout + down.stderr)
+        for host in hosts:  # everything this test started in the hosts (sshd, Ray, Redis)
+            host.kill()
+            host.boot()
+        kill_marked(str(user_key))  # the launcher's ssh ControlPersist masters
