@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import secrets
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +47,7 @@ class RayCluster:
     logs: Path
     env: dict[str, str] = field(default_factory=dict)
     redis: subprocess.Popen | None = None
+    prober: Prober | None = None  # the session's probe driver, once kvstore runs
 
     @property
     def head(self) -> Host:
@@ -207,11 +210,72 @@ def kvstore_status(cluster: RayCluster) -> dict:
     return json.loads(proc.stdout)
 
 
+def _probe_env(cluster: RayCluster) -> dict[str, str]:
+    return {**cluster.env, "RAY_ADDRESS": cluster.gcs_address, "PYTHONPATH": str(REPO)}
+
+
+@dataclass(slots=True)
+class Prober:
+    """``probe.py serve`` inside the head host: one Ray driver answering every probe call."""
+
+    proc: subprocess.Popen
+    lines: queue.Queue = field(default_factory=queue.Queue)
+
+    @classmethod
+    def start(cls, cluster: RayCluster, timeout: float = 120.0) -> Prober:
+        """Start it and wait until its driver is connected."""
+        proc = subprocess.Popen(cluster.head.argv("python3", str(PROBE), "serve"),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=open(cluster.logs / "probe.log", "ab"),  # noqa: SIM115
+                                text=True, env=_probe_env(cluster), start_new_session=True)
+        prober = cls(proc)
+        threading.Thread(target=prober._read, daemon=True, name="probe-reader").start()
+        prober._answer(timeout)
+        return prober
+
+    def call(self, args: tuple[str, ...], timeout: float) -> dict:
+        """One command; its result, or RuntimeError with the probe's error."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(list(args)) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(timeout)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)  # the driver exited
+
+    def _answer(self, timeout: float):  # noqa: ANN202 - a json value
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                self.stop()  # a wedged or dead driver: the next call starts a one-shot one
+                raise RuntimeError(f"probe driver gave no answer within {timeout:.0f}s "
+                                   "(see logs/probe.log)")
+            if line.startswith("PROBE="):
+                return json.loads(line[len("PROBE="):])
+            if line.startswith("PROBE_ERROR="):
+                raise RuntimeError(f"probe failed: {json.loads(line[len('PROBE_ERROR='):])}")
+
+    def stop(self) -> None:
+        """End the driver (only this process group, which the harness started)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
 def probe(cluster: RayCluster, *args: str, timeout: float = 150.0) -> dict:
-    """Run tests/cluster/probe.py inside the head host; its PROBE= line parsed."""
+    """Run a tests/cluster/probe.py command in the head host (the session driver when there
+    is a live one, else a one-shot driver); its result."""
+    if cluster.prober is not None and cluster.prober.proc.poll() is None:
+        return cluster.prober.call(args, timeout)
     proc = in_host(cluster, cluster.head, "python3", str(PROBE), *args, timeout=timeout,
-                   env={**cluster.env, "RAY_ADDRESS": cluster.gcs_address,
-                        "PYTHONPATH": str(REPO)})
+                   env=_probe_env(cluster))
     for line in proc.stdout.splitlines():
         if line.startswith("PROBE="):
             return json.loads(line[len("PROBE="):])
