@@ -58,6 +58,39 @@ def arena_name(node_id: str) -> str:
     return f"{ARENA_PREFIX}{node_id[:16]}-{os.getpid()}"
 
 
+def sweep_stale_arenas(shm_dir: str, node_id: str) -> int:
+    """Unlink arena files an earlier, dead store node of this Ray node left behind.
+
+    A store node killed by SIGKILL (OOM killer, node restart, ``ray.kill``) cannot unlink its
+    arena, and the file is RAM on tmpfs: without this sweep a crash-looping node would eat the
+    machine's memory one capacity at a time. Files whose pid is alive are left alone.
+    """
+    removed = 0
+    for path in glob.glob(os.path.join(shm_dir, f"{ARENA_PREFIX}{node_id[:16]}-*")):
+        try:
+            pid = int(path.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _running_cluster_address() -> str | None:
     """RAY_ADDRESS, else the cluster `ray start` last brought up on this machine, else None."""
     from ray._private import services  # Ray's own resolution of "auto"

@@ -25,7 +25,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from kvstore.api import NodeAddress
 from kvstore.block import ALIGN, BlockHeader, checksum, read_header
-from kvstore.cluster import RAY_NAMESPACE, arena_name, coordinator_handle
+from kvstore.cluster import RAY_NAMESPACE, arena_name, coordinator_handle, sweep_stale_arenas
 from kvstore.config import ClientConfig, KVStoreConfig, ServerConfig
 from kvstore.errors import BlockCorrupted, NodeUnavailable, PoolFull
 from kvstore.index import IndexEntry, make_index
@@ -74,6 +74,9 @@ class StoreNode:
         ctx = ray.get_runtime_context()
         self.node_id: str = ctx.get_node_id()
         ip = ray.util.get_node_ip_address()
+        swept = sweep_stale_arenas(config.pool.shm_dir, self.node_id)
+        if swept:
+            log.warning("removed %d arena file(s) of dead store nodes on this node", swept)
         self.pool = BlockPool(config.pool.capacity_bytes, shm_dir=config.pool.shm_dir,
                               name=arena_name(self.node_id))
         self._lock = threading.Lock()

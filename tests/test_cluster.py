@@ -547,3 +547,22 @@ def test_stop_removes_actors_and_arenas(kv: KVStoreConfig, ray_nodes: list[str])
     assert not left
     with pytest.raises(KVStoreError):
         cluster.coordinator_handle()
+
+
+def test_sweep_removes_only_dead_store_nodes_arenas(tmp_path):
+    """A SIGKILLed store node's arena (RAM on tmpfs) is removed by its successor, nothing else."""
+    import subprocess
+    import sys
+
+    from kvstore.cluster import arena_name, sweep_stale_arenas
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    node = "ab" * 20
+    stale = tmp_path / f"kvstore-arena-{node[:16]}-{dead.pid}"
+    live = tmp_path / arena_name(node)  # this process: alive
+    other = tmp_path / f"kvstore-arena-{'cd' * 8}-{dead.pid}"  # another Ray node's file
+    for f in (stale, live, other):
+        f.write_bytes(b"x")
+    assert sweep_stale_arenas(str(tmp_path), node) == 1
+    assert not stale.exists() and live.exists() and other.exists()

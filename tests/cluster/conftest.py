@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import random
@@ -51,11 +53,17 @@ def network(work_dir: Path) -> Iterator[netns.Network]:
     """Three hosts h0..h2 on a private bridge; stale leftovers of crashed runs removed first."""
     _require_netns()
     netns.cleanup_stale()
+    # The hosts share /dev/shm; arenas of store nodes this session kills with their host (RAM
+    # on tmpfs) are removed at the end. Files that were there before are not ours to touch.
+    before = set(glob.glob("/dev/shm/kvstore-arena-*"))
     net = netns.create(3, work_dir / "hosts")
     try:
         yield net
     finally:
         net.destroy()
+        for path in set(glob.glob("/dev/shm/kvstore-arena-*")) - before:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 @pytest.fixture(scope="session")
