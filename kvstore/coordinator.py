@@ -13,9 +13,10 @@ from typing import Any
 
 from kvstore.api import NodeAddress, PrefixHit
 from kvstore.config import KVStoreConfig
-from kvstore.coordinator_core import CoordinatorCore, HeartbeatReply, ReplicateOrder
+from kvstore.coordinator_core import CoordinatorCore
 from kvstore.index import IndexEntry
 from kvstore.liveness import NodeStatus, Reaper
+from kvstore.node_messages import HeartbeatReply, ReplicateOrder
 from kvstore.pool import PoolStats
 
 __all__ = ["COORDINATOR_NAME", "RAY_NAMESPACE", "Coordinator", "HeartbeatReply", "NodeStatus",

@@ -25,7 +25,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore import metrics as prom
@@ -34,6 +33,7 @@ from kvstore.config import KVStoreConfig
 from kvstore.index import Index, IndexEntry, check_keys, check_node_id, make_index
 from kvstore.liveness import NodeState, NodeStatus, NodeTable
 from kvstore.lru import PIN_HARD, PIN_NONE, PIN_SOFT, LRUTable
+from kvstore.node_messages import HeartbeatReply, ReplicateOrder, node_json
 from kvstore.pins import PinTable
 from kvstore.pool import PoolStats
 from kvstore.table_index import TableIndex
@@ -42,28 +42,6 @@ log = logging.getLogger(__name__)
 
 #: a (key, reader) pair counted toward replication; the counter is cleared past this size
 _MAX_HOT_COUNTERS = 100_000
-
-
-@dataclass(slots=True)
-class ReplicateOrder:
-    """Fetch ``keys`` from ``source`` and put them locally, then publish."""
-
-    keys: list[bytes]
-    source: NodeAddress
-
-
-@dataclass(slots=True)
-class HeartbeatReply:
-    """What a node must do: evict these, replicate those; re-register if the epoch changed.
-
-    ``reannounce`` is set when the coordinator had declared the node dead (its keys left the
-    index) and it came back: it must re-register with everything it holds.
-    """
-
-    epoch: int
-    evict: list[bytes] = field(default_factory=list)
-    replicate: list[ReplicateOrder] = field(default_factory=list)
-    reannounce: bool = False
 
 
 class CoordinatorCore:
@@ -496,7 +474,7 @@ class CoordinatorCore:
             misses = sum(n.misses for n in nodes)
             return {
                 "epoch": self.epoch,
-                "nodes": [_node_json(n) for n in nodes],
+                "nodes": [node_json(n) for n in nodes],
                 "totals": {
                     "nodes_alive": sum(n.alive for n in nodes),
                     "capacity_bytes": sum(n.capacity_bytes for n in nodes if n.alive),
@@ -514,10 +492,3 @@ class CoordinatorCore:
                 "top_prefixes": [{"key": k[:8].hex(), "touches": c}
                                  for k, c in self.lru.top(top_k)],
             }
-
-
-def _node_json(n: NodeStatus) -> dict[str, Any]:
-    return {"node_id": n.node_id, "address": n.address.grpc_address if n.address else None,
-            "capacity_bytes": n.capacity_bytes, "used_bytes": n.used_bytes, "blocks": n.blocks,
-            "hits": n.hits, "misses": n.misses, "evictions": n.evictions, "alive": n.alive,
-            "draining": n.draining, "last_heartbeat": n.last_heartbeat}
