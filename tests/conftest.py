@@ -61,3 +61,12 @@ def ray_local() -> Iterator[None]:
         ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="kvstore-tests")
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def fresh_redis() -> Iterator[RedisProcess]:
+    """A redis-server of this test's own: restarting it disturbs no other test."""
+    require_redis_server()
+    server = start_redis_server()
+    yield server
+    server.stop()

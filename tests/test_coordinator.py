@@ -18,13 +18,12 @@ import numpy as np
 import pytest
 
 from kvstore.api import NodeAddress
-from kvstore.config import CoordinatorConfig, IndexConfig, KVStoreConfig
+from kvstore.config import CoordinatorConfig, KVStoreConfig
 from kvstore.coordinator_core import CoordinatorCore
 from kvstore.index import Index, IndexEntry, InMemoryIndex
 from kvstore.pool import PoolStats
-from kvstore.redis_proc import RedisProcess, start_redis_server
+from kvstore.redis_proc import RedisProcess
 from kvstore.table_index import TableIndex
-from tests.conftest import require_redis_server
 
 ROOT = hashlib.sha256(b"ns-a").digest()
 ROOT_B = hashlib.sha256(b"ns-b").digest()
@@ -379,27 +378,18 @@ def test_embedded_node_slot_is_its_index_bit() -> None:
     assert core.lru.node_bytes(c_bit) == BLOCK
 
 
-@pytest.fixture
-def private_redis() -> Iterator[RedisProcess]:
-    """A redis-server of this test's own: restarting it disturbs no other test."""
-    require_redis_server()
-    server = start_redis_server()
-    yield server
-    server.stop()
-
-
 @pytest.mark.redis
 def test_redis_restarted_empty_bumps_the_epoch_and_nodes_rebuild_it(
-        private_redis: RedisProcess) -> None:
+        fresh_redis: RedisProcess) -> None:
     from kvstore.redis_index import RedisIndex
 
-    index = RedisIndex(private_redis.url, key_prefix="t:")
+    index = RedisIndex(fresh_redis.url, key_prefix="t:")
     core = make_core(index=index)
     chain = make_chain(4, "lost")
     register(core, "a", [chain])
     epoch = core.epoch
     assert not core.check_index()  # the marker is there: nothing to do
-    private_redis.restart()  # no persistence: it comes back empty
+    fresh_redis.restart()  # no persistence: it comes back empty
     assert index.lookup_prefix(chain).num_blocks == 0
     assert core.check_index()
     assert core.epoch != epoch
@@ -411,108 +401,3 @@ def test_redis_restarted_empty_bumps_the_epoch_and_nodes_rebuild_it(
     assert index.lookup_prefix(chain).num_blocks == 4
     assert index.holders(chain) == [["a"]] * 4
     index.close()
-
-
-# -- the real actor on a local Ray ----------------------------------------------------------
-
-
-def _start_actor(config: KVStoreConfig):
-    import ray
-
-    from kvstore.coordinator import Coordinator
-
-    return ray.remote(Coordinator).options(
-        max_restarts=-1, max_task_retries=-1, num_cpus=0, max_concurrency=8).remote(config)
-
-
-def _restart_keeps_reannounced_blocks(config: KVStoreConfig, persistent: bool) -> None:
-    import ray
-
-    from kvstore.coordinator_index import CoordinatorIndex
-
-    handle = _start_actor(config)
-    chain = make_chain(5, uuid.uuid4().hex)
-    entries = make_entries("a", chain)
-    address = NodeAddress("a", "a:1")
-    epoch = ray.get(handle.register_node.remote("a", address, 1000, entries[:3]))
-    ray.get(handle.publish.remote("a", entries[3:]))
-    index = CoordinatorIndex(handle)
-    assert index.lookup_prefix(chain).num_blocks == 5
-    ray.kill(handle, no_restart=False)
-    deadline = time.monotonic() + 60
-    new_epoch = epoch
-    while new_epoch == epoch and time.monotonic() < deadline:  # kill is asynchronous
-        new_epoch = ray.get(handle.epoch.remote())  # retried until the restarted actor answers
-        time.sleep(0.05)
-    assert new_epoch != epoch
-    assert index.lookup_prefix(chain).num_blocks == (5 if persistent else 0)
-    reply = ray.get(handle.heartbeat.remote("a", make_stats(1000, 500), [], {}))
-    assert reply.epoch == new_epoch and reply.reannounce
-    ray.get(handle.register_node.remote("a", address, 1000, entries))  # the node re-announces
-    assert index.lookup_prefix(chain).num_blocks == 5
-    assert index.holders(chain[:1]) == [["a"]]
-    drift = ray.get(handle.status.remote())["drift"]
-    assert drift == {"added": 0 if persistent else 5, "removed": 0}
-    ray.kill(handle, no_restart=True)
-
-
-@pytest.mark.ray
-def test_actor_reaps_a_silent_node_with_no_heartbeats_at_all(ray_local: None) -> None:
-    import ray
-
-    from kvstore.coordinator_index import CoordinatorIndex
-
-    config = KVStoreConfig(coordinator=CoordinatorConfig(heartbeat_interval_s=0.1,
-                                                         node_timeout_s=0.5))
-    handle = _start_actor(config)
-    chain = make_chain(3, uuid.uuid4().hex)
-    ray.get(handle.register_node.remote("lone", NodeAddress("lone", "lone:1"), 1000,
-                                        make_entries("lone", chain)))
-    index = CoordinatorIndex(handle)  # lookups do not sweep: only the reaper can drop it
-    assert index.lookup_prefix(chain).num_blocks == 3
-    assert wait_for(lambda: index.lookup_prefix(chain).num_blocks == 0, 10.0)
-    text = ray.get(handle.metrics_text.remote())
-    assert "kvstore_coordinator_nodes_alive 0.0" in text
-    assert "kvstore_coordinator_nodes_dead_total 1.0" in text
-    ray.kill(handle, no_restart=True)
-
-
-@pytest.mark.ray
-def test_actor_restart_in_memory_index(ray_local: None) -> None:
-    _restart_keeps_reannounced_blocks(KVStoreConfig(), persistent=False)
-
-
-@pytest.mark.ray
-@pytest.mark.redis
-def test_actor_restart_redis_index(ray_local: None, redis_server) -> None:
-    config = KVStoreConfig(index=IndexConfig(backend="redis", redis_url=redis_server.url,
-                                             key_prefix=f"t-{uuid.uuid4().hex[:8]}:"))
-    _restart_keeps_reannounced_blocks(config, persistent=True)
-
-
-@pytest.mark.ray
-@pytest.mark.redis
-def test_actor_notices_redis_restarted_empty_and_nodes_reannounce(
-        ray_local: None, private_redis: RedisProcess) -> None:
-    """The reaper tick finds the epoch marker gone; the next heartbeat carries a new epoch."""
-    import ray
-
-    from kvstore.redis_index import RedisIndex
-
-    config = KVStoreConfig(
-        index=IndexConfig(backend="redis", redis_url=private_redis.url, key_prefix="a:"),
-        coordinator=CoordinatorConfig(heartbeat_interval_s=0.1, node_timeout_s=30))
-    handle = _start_actor(config)
-    chain = make_chain(3, uuid.uuid4().hex)
-    entries = make_entries("a", chain)
-    epoch = ray.get(handle.register_node.remote("a", NodeAddress("a", "a:1"), 1000, entries))
-    private_redis.restart()
-    assert wait_for(lambda: ray.get(handle.heartbeat.remote(
-        "a", make_stats(1000, 300), [], {})).epoch != epoch, 10.0)
-    index = RedisIndex(private_redis.url, key_prefix="a:")
-    assert index.lookup_prefix(chain).num_blocks == 0
-    ray.get(handle.register_node.remote("a", NodeAddress("a", "a:1"), 1000, entries))
-    assert index.lookup_prefix(chain).num_blocks == 3
-    assert ray.get(handle.status.remote())["metrics"]["index_resets"] == 1
-    index.close()
-    ray.kill(handle, no_restart=True)
