@@ -25,10 +25,11 @@ import numpy as np
 from benchmarks.common import median_of, parse_args, report
 from kvstore.api import NodeAddress
 from kvstore.config import CoordinatorConfig, KVStoreConfig
-from kvstore.coordinator_core import CoordinatorCore
-from kvstore.index import Index, IndexEntry, InMemoryIndex
-from kvstore.lru import LRUTable
-from kvstore.pool import PoolStats
+from kvstore.coordinator.core import CoordinatorCore
+from kvstore.coordinator.lru import LRUTable
+from kvstore.index.base import Index, IndexEntry
+from kvstore.index.memory import InMemoryIndex
+from kvstore.node.pool import PoolStats
 
 BATCH = 1000
 PREFIX = 128  # blocks in the longest-prefix lookup (a 2k-token prompt at block_size 16)
@@ -119,7 +120,7 @@ def bench_ordereddict(keys: list[bytes], batches: list[list[bytes]]) -> float:
 def bench_ray(keys: list[bytes], repeats: int) -> dict[str, float]:
     import ray
 
-    from kvstore.coordinator import Coordinator
+    from kvstore.coordinator.actor import Coordinator
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:

@@ -1,7 +1,8 @@
 """End to end: a shared system prompt, cold vs warm TTFT, decode on fetched vs local KV.
 
 Runs the engines in this process over the real store by default (``--store cluster``: a
-private local Ray, the coordinator, a store node, and ``kvstore.cluster.connect()`` — index
+private local Ray, the coordinator, a store node, and ``kvstore.cluster.lifecycle.connect()``
+— index
 lookups through the coordinator, leases over gRPC, same-node copies out of shared memory), or
 over an in-process LocalStore (``--store local``), on the ``small`` preset: one cold request
 publishes the system prompt, then requests with 32-64-token suffixes reuse it. Decode speed
@@ -42,17 +43,18 @@ def open_store(kind: str) -> tuple[KVStore, Callable[[], None]]:
         return LocalStore(), lambda: None
     import ray
 
-    from kvstore import cluster
+    from kvstore.cluster import lifecycle
+    from kvstore.cluster.names import RAY_NAMESPACE
 
-    ray.init(address="local", namespace=cluster.RAY_NAMESPACE, include_dashboard=False,
+    ray.init(address="local", namespace=RAY_NAMESPACE, include_dashboard=False,
              logging_level=logging.WARNING, log_to_driver=False)
     config = KVStoreConfig()
-    cluster.start(config)
-    store = cluster.connect(config)
+    lifecycle.start(config)
+    store = lifecycle.connect(config)
 
     def close() -> None:
         store.close()
-        cluster.stop(config)
+        lifecycle.stop(config)
         ray.shutdown()
 
     return store, close

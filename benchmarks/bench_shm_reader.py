@@ -16,8 +16,8 @@ import torch
 from benchmarks.common import parse_args, report
 from kvstore.block import block_nbytes, encode_block, verify_block
 from kvstore.keys import BlockHasher, Namespace
-from kvstore.pool import BlockPool
-from kvstore.shm_reader import ShmReader
+from kvstore.node.pool import BlockPool
+from kvstore.node.shm_reader import ShmReader
 
 
 def make_namespace() -> Namespace:

@@ -32,13 +32,14 @@ from redis.utils import HIREDIS_AVAILABLE
 from benchmarks.common import parse_args, report
 from kvstore.api import FetchedBlock, Miss, NodeAddress
 from kvstore.block import block_nbytes, encode_block_into
-from kvstore.client import StoreNodeClient
 from kvstore.cluster_store import ClusterStore, new_block_buffer
 from kvstore.config import ClientConfig
-from kvstore.index import IndexEntry, InMemoryIndex
+from kvstore.index.base import IndexEntry
+from kvstore.index.memory import InMemoryIndex
+from kvstore.index.redis import RedisIndex
 from kvstore.keys import BlockHasher, Namespace
-from kvstore.redis_index import RedisIndex
-from kvstore.redis_proc import start_redis_server
+from kvstore.node.client import StoreNodeClient
+from tests.support.redis_server import start_redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
 NS_2MIB = Namespace("bench", "float16", 16, 32, 8, 128)  # 2 MiB payload
@@ -47,8 +48,8 @@ NS_64KIB = Namespace("bench", "float16", 16, 1, 8, 128)  # 64 KiB payload
 SERVER = """
 import sys, time
 from kvstore.config import ServerConfig
-from kvstore.pool import BlockPool
-from kvstore.server import StoreServer
+from kvstore.node.pool import BlockPool
+from kvstore.node.server import StoreServer
 pool = BlockPool(int(sys.argv[1]))
 srv = StoreServer(pool, "bench", ServerConfig(max_workers=4))
 g, b = srv.start()

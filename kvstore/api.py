@@ -1,7 +1,7 @@
 """What workers see of the store: a small facade and the plain data it exchanges.
 
 Workers depend on this protocol only, so the same engine runs on the embedded store
-(``kvstore.local.LocalStore``), on a cluster (``kvstore.client.ClusterStore``), or on nothing
+(``kvstore.local.LocalStore``), on a cluster (``kvstore.node.client.ClusterStore``), or on nothing
 (``--no-cache``).
 """
 

@@ -1,4 +1,4 @@
-"""The self-describing block format (design.md §3.2), verified on every read.
+"""The self-describing block format (docs/design.md §3.2), verified on every read.
 
 ::
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import struct
 import warnings
 from collections.abc import Sequence
@@ -28,15 +29,11 @@ import numpy as np
 import torch
 import xxhash
 
+from kvstore.constants import KEY_NBYTES, align_up
 from kvstore.errors import BlockCorrupted, BlockMismatch, NamespaceMismatch
-from kvstore.keys import KEY_NBYTES, Namespace, tokens_to_bytes
+from kvstore.keys import DTYPES, Namespace, tokens_to_bytes
 
-ALIGN = 64
 _LEN = struct.Struct("<I")
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +109,7 @@ def payload_offset(namespace: Namespace) -> int:
         namespace, b"\0" * KEY_NBYTES, b"\0" * KEY_NBYTES, b"\0" * (8 * namespace.block_size),
         b"\0" * 8,
     )
-    return _align(_LEN.size + len(dummy.pack()))
+    return align_up(_LEN.size + len(dummy.pack()))
 
 
 @functools.lru_cache(maxsize=256)
@@ -219,7 +216,11 @@ def encode_block(
 
 def read_header(buf: object) -> BlockHeader:
     """Parse the header of an encoded block (no verification of the payload)."""
-    view = _as_bytes_view(buf)
+    return _read_header(_as_bytes_view(buf))[0]
+
+
+def _read_header(view: memoryview) -> tuple[BlockHeader, int]:
+    """The header and the length of its msgpack bytes."""
     if len(view) < _LEN.size:
         raise BlockCorrupted(f"block is truncated: {len(view)} bytes")
     (hlen,) = _LEN.unpack(view[: _LEN.size])
@@ -228,6 +229,31 @@ def read_header(buf: object) -> BlockHeader:
     header = BlockHeader.unpack(view[_LEN.size : _LEN.size + hlen])
     if not isinstance(header.key, bytes) or not isinstance(header.token_ids, bytes):
         raise BlockCorrupted("block header fields have the wrong types")
+    return header, hlen
+
+
+def verify_block_self(buf: object, key: bytes) -> BlockHeader:
+    """Check a block on its own terms, for copies of a namespace the copier does not know.
+
+    Replication moves blocks of any namespace between store nodes, so the layout comes from the
+    header itself: the header names ``key``, the parent key and tokens chain to it, and the
+    payload matches its checksum. Readers still check every block against their own namespace
+    (``verify_block``) when they use it.
+    """
+    view = _as_bytes_view(buf)
+    header, hlen = _read_header(view)
+    if header.key != key:
+        raise BlockMismatch(f"block {header.key.hex()[:16]} was sent for {key.hex()[:16]}")
+    if hashlib.sha256(header.parent_key + header.token_ids).digest() != header.key:
+        raise BlockCorrupted(f"block {key.hex()[:16]} parent key and tokens do not chain to it")
+    dtype = DTYPES.get(header.dtype) if isinstance(header.dtype, str) else None
+    dims = (header.num_layers, 2, header.block_size, header.num_kv_heads, header.head_dim)
+    if dtype is None or not all(isinstance(d, int) and d > 0 for d in dims):
+        raise BlockCorrupted(f"block {key.hex()[:16]} header has no valid layout")
+    off = align_up(_LEN.size + hlen)
+    end = off + math.prod(dims) * dtype.itemsize
+    if end > len(view) or checksum(view[off:end]) != header.checksum:
+        raise BlockCorrupted(f"block {key.hex()[:16]} fails its payload checksum")
     return header
 
 

@@ -18,10 +18,9 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstore.config import KVStoreConfig, load_config
+from kvstore.constants import KEY_NBYTES
 from kvstore.errors import ConfigError, KVStoreError
 
-#: sha256 digests; spelled here so operator commands need not import torch (kvstore.keys does).
-KEY_NBYTES = 32
 #: Subcommands defined here; for these the worker subcommands (which import torch and
 #: transformers, seconds of start-up) are not loaded.
 OPERATOR_COMMANDS = frozenset({"start", "stop", "status", "pin", "unpin", "drain", "invalidate"})
@@ -60,19 +59,19 @@ def parse_keys(hexes: Sequence[str]) -> list[bytes]:
     return keys
 
 
-def _coordinator(args: argparse.Namespace) -> Any:
-    from kvstore import cluster
+def _connect(args: argparse.Namespace) -> None:
+    """Join the Ray cluster an operator command acts on (never start a new one)."""
+    from kvstore.cluster.lifecycle import ensure_ray
 
-    cluster.ensure_ray(args.address, start_local=False)
-    return cluster.coordinator_handle()
+    ensure_ray(args.address, start_local=False)
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    from kvstore import cluster
+    from kvstore.cluster import lifecycle
 
     config = config_from_args(args)
     with console.status("starting the coordinator and one store node per Ray node..."):
-        info = cluster.start(config, address=args.address, start_local=False)
+        info = lifecycle.start(config, address=args.address, start_local=False)
     table = Table(title=f"kvstore started (index: {info.index_backend}, epoch {info.epoch})")
     table.add_column("node id")
     table.add_column("gRPC")
@@ -86,9 +85,9 @@ def cmd_start(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from kvstore import cluster
+    from kvstore.cluster import lifecycle
 
-    num_killed = cluster.stop(config_from_args(args), address=args.address)
+    num_killed = lifecycle.stop(config_from_args(args), address=args.address)
     console.print(f"kvstore stopped ({num_killed} actors)")
     return 0
 
@@ -120,10 +119,10 @@ def _ratio(hits: int, misses: int) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from kvstore import cluster
+    from kvstore.cluster import operations
 
-    cluster.ensure_ray(args.address, start_local=False)
-    status = status_json(cluster.status())
+    _connect(args)
+    status = status_json(operations.status())
     if args.json:
         print(json.dumps(status, default=str, sort_keys=True))
         return 0
@@ -164,31 +163,34 @@ def _size(n: int) -> str:
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
-    import ray
+    from kvstore.cluster import operations
 
     keys = parse_keys(args.keys)
     if args.ttl is not None and not args.soft:
         raise ConfigError("--ttl applies to soft pins only; add --soft")
     if args.ttl is not None and args.ttl <= 0:
         raise ConfigError("--ttl must be > 0 seconds")
-    n = ray.get(_coordinator(args).pin.remote(keys, hard=not args.soft, ttl_s=args.ttl))
+    _connect(args)
+    n = operations.pin(keys, hard=not args.soft, ttl_s=args.ttl)
     console.print(f"pinned {n} of {len(keys)} blocks ({'soft' if args.soft else 'hard'})")
     return 0
 
 
 def cmd_unpin(args: argparse.Namespace) -> int:
-    import ray
+    from kvstore.cluster import operations
 
     keys = parse_keys(args.keys)
-    n = ray.get(_coordinator(args).unpin.remote(keys))
+    _connect(args)
+    n = operations.unpin(keys)
     console.print(f"unpinned {n} of {len(keys)} blocks")
     return 0
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
-    import ray
+    from kvstore.cluster import operations
 
-    n = ray.get(_coordinator(args).drain.remote(args.node_id))
+    _connect(args)
+    n = operations.drain(args.node_id)
     console.print(f"draining {args.node_id}: {n} blocks to move or evict")
     return 0
 
@@ -210,10 +212,11 @@ def namespace_root(args: argparse.Namespace) -> bytes:
 
 
 def cmd_invalidate(args: argparse.Namespace) -> int:
-    import ray
+    from kvstore.cluster import operations
 
     root = namespace_root(args)
-    n = ray.get(_coordinator(args).invalidate.remote(root))
+    _connect(args)
+    n = operations.invalidate(root)
     console.print(f"invalidated namespace {root.hex()[:16]}: {n} blocks evicted")
     return 0
 

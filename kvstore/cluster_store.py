@@ -35,7 +35,6 @@ from kvstore.api import (
     TokenIds,
 )
 from kvstore.block import block_nbytes, encode_block_into, payload_offset
-from kvstore.client import StoreNodeClient
 from kvstore.config import ClientConfig
 from kvstore.errors import (
     BlockCorrupted,
@@ -44,8 +43,9 @@ from kvstore.errors import (
     LeaseExpired,
     NodeUnavailable,
 )
-from kvstore.index import Index
+from kvstore.index.base import Index
 from kvstore.keys import Namespace
+from kvstore.node.client import StoreNodeClient
 
 Directory = Callable[[str], NodeAddress] | Callable[[], Mapping[str, NodeAddress]]
 

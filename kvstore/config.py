@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from kvstore.constants import DTYPE_NAMES
 from kvstore.errors import ConfigError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -163,9 +164,8 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, "worker.block_size must be > 0")
-        _check(self.dtype in ("float16", "bfloat16", "float32", "int8"),
-               f"worker.dtype {self.dtype!r} is not supported; use float16, bfloat16, float32 "
-               "or int8")
+        _check(self.dtype in DTYPE_NAMES,
+               f"worker.dtype {self.dtype!r} is not supported; use one of {list(DTYPE_NAMES)}")
         _check(self.prefill_chunk_tokens > 0 and self.prefill_chunk_tokens % self.block_size == 0,
                f"worker.prefill_chunk_tokens ({self.prefill_chunk_tokens}) must be a positive "
                f"multiple of worker.block_size ({self.block_size})")

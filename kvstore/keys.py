@@ -1,4 +1,4 @@
-"""Namespaces and chained block keys (design.md §3.1).
+"""Namespaces and chained block keys (docs/design.md §3.1).
 
 A key names a block of ``block_size`` tokens *and everything before it*: it chains the parent
 key with the block's token ids, starting from the namespace root. Two prompts share a key only
@@ -17,20 +17,15 @@ import msgpack
 import numpy as np
 import torch
 
+from kvstore.constants import DTYPE_NAMES
 from kvstore.errors import ConfigError
 
 BlockKey = NewType("BlockKey", bytes)
 
 SCHEMA_VERSION = 1
-KEY_NBYTES = 32
 
 #: dtype names as the namespace spells them (torch's names without the ``torch.`` prefix).
-DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "int8": torch.int8,
-}
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -69,7 +64,7 @@ class Namespace:
         object.__setattr__(self, "_root", hashlib.sha256(self.encode()).digest())
 
     def encode(self) -> bytes:
-        """The canonical encoding: msgpack of the fields in the order design.md §3.1 fixes."""
+        """The canonical encoding: msgpack of the fields in the order docs/design.md §3.1 fixes."""
         return msgpack.packb(
             [
                 self.schema_version,

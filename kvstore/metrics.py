@@ -19,7 +19,7 @@ from kvstore.api import (
     MISS_NODE_UNAVAILABLE,
     MISS_NOT_FOUND,
 )
-from kvstore.pool import PoolStats
+from kvstore.node.pool import PoolStats
 
 #: How block bytes moved: gRPC messages, the bulk byte channel, or same-node shared memory.
 PATHS = ("grpc", "bulk", "shm")

@@ -1,4 +1,4 @@
-"""The two KV operators of design.md §3.3: ``kv_cache_scatter`` and ``paged_cache_load``.
+"""The two KV operators of docs/design.md §3.3: ``kv_cache_scatter`` and ``paged_cache_load``.
 
 Both are one flat index computation plus one ``index_copy_`` / ``index_select`` over a
 row view of the cache, so the cost is the bytes moved, not Python. The row view merges the
@@ -23,9 +23,11 @@ import math
 
 import torch
 
+from kvstore.constants import DTYPE_NAMES
+
 __all__ = ["kv_cache_scatter", "paged_cache_load", "nz_align", "SUPPORTED_DTYPES"]
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8)
+SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in DTYPE_NAMES)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _NZ_ROW_BYTES = 32
 

@@ -13,8 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvstore.index import Index, InMemoryIndex
-from kvstore.redis_proc import RedisProcess, start_redis_server
+from kvstore.index.base import Index
+from kvstore.index.memory import InMemoryIndex
+from tests.support.redis_server import RedisProcess, start_redis_server
 
 
 def require_redis_server() -> None:
@@ -42,7 +43,7 @@ def index(request: pytest.FixtureRequest) -> Iterator[Index]:
     if request.param == "memory":
         idx: Index = InMemoryIndex()
     else:
-        from kvstore.redis_index import RedisIndex
+        from kvstore.index.redis import RedisIndex
 
         server = request.getfixturevalue("redis_server")
         idx = RedisIndex(server.url, key_prefix=f"test-{uuid.uuid4().hex[:12]}:")

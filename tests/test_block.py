@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from kvstore.block import (
-    ALIGN,
     block_nbytes,
     decode_block,
     encode_block,
@@ -17,6 +16,7 @@ from kvstore.block import (
     read_header,
     verify_block,
 )
+from kvstore.constants import ALIGN
 from kvstore.errors import BlockCorrupted, BlockMismatch, NamespaceMismatch
 from kvstore.keys import BlockHasher, Namespace
 

@@ -22,7 +22,7 @@ import pytest
 from kvstore.cli import build_parser, namespace_root, parse_keys, status_json
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
-from kvstore.redis_proc import free_port
+from tests.support.redis_server import free_port
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -21,10 +21,10 @@ from kvstore.api import (
 from kvstore.block import block_nbytes, payload_view
 from kvstore.cluster_store import ClusterStore
 from kvstore.config import ClientConfig, ServerConfig
-from kvstore.index import InMemoryIndex
-from kvstore.pool import BlockPool
-from kvstore.server import StoreServer
-from tests.test_server import make_blocks, make_namespace
+from kvstore.index.memory import InMemoryIndex
+from kvstore.node.pool import BlockPool
+from kvstore.node.server import StoreServer
+from tests.node.test_server import make_blocks, make_namespace
 
 FAST = ClientConfig(timeout_s=5, retries=1)
 

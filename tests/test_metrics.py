@@ -9,7 +9,7 @@ import pytest
 
 from kvstore import metrics
 from kvstore.api import MISS_CORRUPTED, MISS_NOT_FOUND
-from kvstore.pool import PoolStats
+from kvstore.node.pool import PoolStats
 
 
 def value(name: str, **labels: str) -> float:

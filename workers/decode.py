@@ -1,15 +1,17 @@
-"""``DecodeWorker``: a Ray actor that fetches a prompt's blocks and generates (request flow 3)."""
+"""``DecodeWorker``: fetches a prompt's blocks and generates.
+
+Request flow step 3 of docs/design.md §4. A plain class: in-process as it is, on Ray through
+``workers.replica.replica_actor``.
+"""
 
 from __future__ import annotations
 
-import ray
-
 from kvstore.api import TokenIds
 from workers.engine import DecodeResult, SamplingParams, TailKV
-from workers.prefill import Replica
+from workers.replica import Replica
 
 
-class DecodeReplica(Replica):
+class DecodeWorker(Replica):
     """Reassembles the prompt's KV from the store (plus the prefill's private tail), generates."""
 
     def decode(self, token_ids: TokenIds, first_token: int, request_id: str,
@@ -25,7 +27,3 @@ class DecodeReplica(Replica):
         _, dec = self.engine.generate(token_ids, request_id=request_id, sampling=sampling,
                                       use_cache=use_cache)
         return dec
-
-
-DecodeWorker = ray.remote(num_cpus=0, max_concurrency=4)(  # type: ignore[call-overload]
-    DecodeReplica)

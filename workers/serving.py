@@ -20,9 +20,10 @@ from kvstore.config import KVStoreConfig
 from kvstore.errors import ConfigError, NodeUnavailable
 from kvstore.keys import BlockHasher
 from kvstore.local import LocalStore
-from workers.decode import DecodeReplica, DecodeWorker
+from workers.decode import DecodeWorker
 from workers.engine import DecodeResult, PrefillResult, SamplingParams
-from workers.prefill import PrefillReplica, PrefillWorker, cluster_store_factory
+from workers.prefill import PrefillWorker
+from workers.replica import cluster_store_factory, replica_actor
 from workers.router import ReplicaSlot, Router
 
 MODES = ("ray", "inprocess")
@@ -77,35 +78,36 @@ class Deployment:
         self._ids = itertools.count()
         if mode == "inprocess":
             self.store: Any = LocalStore()
-            self.prefills: list[Any] = [PrefillReplica(config, lambda: self.store, f"prefill-{i}")
+            self.prefills: list[Any] = [PrefillWorker(config, lambda: self.store, f"prefill-{i}")
                                         for i in range(num_prefill)]
-            self.decodes: list[Any] = [DecodeReplica(config, lambda: self.store, f"decode-{i}")
+            self.decodes: list[Any] = [DecodeWorker(config, lambda: self.store, f"decode-{i}")
                                        for i in range(num_decode)]
             node_ids = [p.node_id() for p in self.prefills]
         else:
             import ray
 
-            from kvstore import cluster
+            from kvstore.cluster import lifecycle
+            from kvstore.cluster.names import RAY_NAMESPACE, coordinator_handle
 
             if own_ray and address is None and not ray.is_initialized():
                 # A private local Ray: never attach to someone else's cluster by accident.
-                ray.init(address="local", namespace=cluster.RAY_NAMESPACE,
+                ray.init(address="local", namespace=RAY_NAMESPACE,
                          include_dashboard=False,
                          logging_level=logging.WARNING, log_to_driver=False)
                 self.started_ray = True
-            cluster.ensure_ray(address)
+            lifecycle.ensure_ray(address)
             try:
-                cluster.coordinator_handle()
+                coordinator_handle()
             except NodeUnavailable:  # nothing running: the embedded default
-                cluster.start(config)
+                lifecycle.start(config)
                 self.started_cluster = True
-            self.store = cluster.connect(config)
+            self.store = lifecycle.connect(config)
             factory = cluster_store_factory(config)
             check_resources(prefill_resources, "--prefill-resource")
             check_resources(decode_resources, "--decode-resource")
             # Placement by custom resource (the prefill/decode node types of the deploy files).
-            pre = PrefillWorker.options(resources=prefill_resources or {})
-            dec = DecodeWorker.options(resources=decode_resources or {})
+            pre = replica_actor(PrefillWorker, prefill_resources)
+            dec = replica_actor(DecodeWorker, decode_resources)
             self.prefills = [pre.remote(config, factory, f"prefill-{i}")
                              for i in range(num_prefill)]
             self.decodes = [dec.remote(config, factory, f"decode-{i}")
@@ -167,12 +169,12 @@ class Deployment:
             return
         import ray
 
-        from kvstore import cluster
+        from kvstore.cluster import lifecycle
 
         for actor in self.prefills + self.decodes:
             ray.kill(actor)
         if self.started_cluster:
-            cluster.stop(self.config)
+            lifecycle.stop(self.config)
         if self.started_ray:
             ray.shutdown()
 

@@ -1,0 +1,329 @@
+"""The store-node actor: one per Ray node, a BlockPool and a StoreServer tied to the coordinator.
+
+It keeps the coordinator's view true: every Put is published to the coordinator (and to Redis,
+when that is the index) before Put returns; everything it holds is (re)announced at start and
+whenever the coordinator's epoch changes (the coordinator restarted); a heartbeat thread
+reports pool stats and the keys read since the last beat (batched LRU touches, never one Ray
+call per block) and executes the eviction and replication orders in the reply. A full pool
+asks the coordinator what to evict, evicts, and retries once; otherwise the Put fails with
+RESOURCE_EXHAUSTED, never an out-of-memory crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from kvstore.api import NodeAddress
+from kvstore.block import BlockHeader, verify_block_self
+from kvstore.cluster.names import arena_glob, arena_name, coordinator_handle
+from kvstore.config import ClientConfig, KVStoreConfig, ServerConfig
+from kvstore.errors import BlockCorrupted, BlockMismatch, KVStoreError, NodeUnavailable, PoolFull
+from kvstore.index.base import IndexEntry
+from kvstore.index.factory import make_index
+from kvstore.node.client import StoreNodeClient
+from kvstore.node.pool import BlockPool, PoolStats
+from kvstore.node.server import StoreServer
+
+log = logging.getLogger(__name__)
+
+_LOCAL_HOSTS = ("127.0.0.1", "localhost")
+#: Attempts (one per second) to register with a coordinator that is (re)starting.
+_REGISTER_ATTEMPTS = 60
+
+
+class EvictingPool:
+    """A BlockPool seen through the server: on PoolFull it evicts and retries once.
+
+    The server only calls ``reserve`` and friends, so wrapping the pool is enough to hook
+    eviction in without the server knowing about the coordinator. Reads are reported by the
+    server itself (``on_read``), which knows the reader's node.
+    """
+
+    def __init__(self, pool: BlockPool, make_room: Callable[[int], bool]) -> None:
+        self._pool = pool
+        self._make_room = make_room
+
+    def reserve(self, key: bytes, nbytes: int) -> Any:
+        try:
+            return self._pool.reserve(key, nbytes)
+        except PoolFull as exc:
+            if not self._make_room(nbytes):
+                raise PoolFull(f"{exc}; the coordinator found nothing evictable on this node "
+                               "(every block is pinned, leased or already ordered out): "
+                               "unpin blocks or raise pool.capacity_bytes") from exc
+            return self._pool.reserve(key, nbytes)  # once: a second PoolFull goes to the caller
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+
+class StoreNode:
+    """One Ray node's store: pool + server + registration + heartbeat."""
+
+    def __init__(self, config: KVStoreConfig) -> None:
+        self.config = config
+        ctx = ray.get_runtime_context()
+        self.node_id: str = ctx.get_node_id()
+        ip = ray.util.get_node_ip_address()
+        swept = sweep_stale_arenas(config.pool.shm_dir, self.node_id)
+        if swept:
+            log.warning("removed %d arena file(s) of dead store nodes on this node", swept)
+        self.pool = BlockPool(config.pool.capacity_bytes, shm_dir=config.pool.shm_dir,
+                              name=arena_name(self.node_id))
+        self._lock = threading.Lock()
+        self._touched: dict[bytes, None] = {}  # ordered set: recency order is kept
+        self._remote_reads: dict[str, list[bytes]] = {}  # reader node -> keys, one per read
+        self._coordinator = coordinator_handle()
+        # With Redis the node writes the index itself, so readers see keys even while the
+        # coordinator restarts; the coordinator still records the blocks for its LRU.
+        self._redis = make_index(config.index) if config.index.backend == "redis" else None
+        self.server = StoreServer(
+            EvictingPool(self.pool, self._make_room),
+            self.node_id, _server_config(config.server, ip), on_publish=self._on_publish,
+            default_lease_ttl_s=config.coordinator.lease_ttl_s, on_read=self._record_reads,
+        )
+        self.server.start()
+        grpc_address, bulk_address = self.server.addresses
+        self.address = NodeAddress(self.node_id, grpc_address, bulk_address, self.pool.path)
+        self.epoch = -1
+        self.num_registrations = 0
+        self._register()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                        name="kvstore-heartbeat")
+        self._thread.start()
+
+    # -- actor methods ------------------------------------------------------------------
+    def ping(self) -> NodeAddress:
+        """Where this node listens (returns once the node has registered)."""
+        return self.address
+
+    def stats(self) -> PoolStats:
+        return self.pool.stats()
+
+    def keys(self) -> list[bytes]:
+        return self.pool.keys()
+
+    def pin(self, keys: list[bytes]) -> int:
+        """Pin blocks in the local pool (operators pin through the coordinator)."""
+        return sum(bool(self.pool.pin(k)) for k in keys)
+
+    def heartbeat_now(self) -> int:
+        """One heartbeat right away (tests and operators); returns the coordinator epoch."""
+        self._heartbeat()
+        return self.epoch
+
+    def shutdown(self) -> None:
+        """Stop heartbeats and serving, unlink the arena."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.server.stop(grace=0.5)
+        self.pool.close()
+        if self._redis is not None:
+            self._redis.close()
+
+    # -- coordinator protocol -------------------------------------------------------------
+    def _call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any
+              ) -> Any:
+        """A coordinator call; re-resolves the actor by name if it was replaced."""
+        timeout_s = timeout_s or self.config.client.timeout_s
+        try:
+            return ray.get(getattr(self._coordinator, method).remote(*args, **kwargs),
+                           timeout=timeout_s)
+        except RayActorError:
+            self._coordinator = coordinator_handle()  # stopped and started again: new actor
+            return ray.get(getattr(self._coordinator, method).remote(*args, **kwargs),
+                           timeout=timeout_s)
+
+    def _held_entries(self) -> list[IndexEntry]:
+        entries = []
+        for key in self.pool.keys():
+            info = self.server.key_info(key)
+            if info is not None:
+                entries.append(IndexEntry(key, self.node_id, int(info.nbytes),
+                                          bytes(info.parent_key), bytes(info.namespace_root)))
+        return entries
+
+    def _register(self) -> None:
+        last: Exception | None = None
+        for _ in range(_REGISTER_ATTEMPTS):
+            try:
+                entries = self._held_entries()
+                if self._redis is not None and entries:
+                    self._redis.publish(entries)
+                self.epoch = int(self._call("register_node", self.node_id, self.address,
+                                            self.pool.capacity_bytes, entries))
+                self.num_registrations += 1
+                return
+            except (RayActorError, GetTimeoutError, NodeUnavailable) as exc:
+                last = exc
+                time.sleep(1.0)
+        raise NodeUnavailable(f"store node {self.node_id[:12]} cannot register with the "
+                              f"coordinator: {last}")
+
+    def _on_publish(self, entries: list[IndexEntry]) -> None:
+        """Make freshly stored blocks visible before Put returns (raises = Put fails)."""
+        if self._redis is not None:
+            self._redis.publish(entries)
+        self._call("publish", self.node_id, entries)
+
+    def _record_reads(self, keys: Sequence[bytes], reader_node_id: str) -> None:
+        """Touch ``keys``; reads from another (named) node also count toward replication."""
+        with self._lock:
+            for k in keys:
+                self._touched[k] = None
+            if reader_node_id and reader_node_id != self.node_id:
+                self._remote_reads.setdefault(reader_node_id, []).extend(keys)
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Ask the coordinator what to evict for ``nbytes`` more; True if anything was freed."""
+        try:
+            keys = self._call("request_eviction", self.node_id, nbytes)
+        except (RayActorError, GetTimeoutError, NodeUnavailable):
+            return False  # no coordinator: refuse the Put rather than guess
+        return self._evict(keys) > 0
+
+    def _evict(self, keys: Sequence[bytes]) -> int:
+        """Evict what the pool allows (never leased or pinned) and tell the index."""
+        if not keys:
+            return 0
+        freed = self.pool.evict(list(keys))
+        gone = [k for k in keys if not self.pool.contains(k)]
+        for k in gone:
+            self.server.forget(k)
+        if gone:
+            if self._redis is not None:
+                self._redis.remove(gone, self.node_id)
+            with contextlib.suppress(RayActorError, GetTimeoutError, NodeUnavailable):
+                self._call("removed", self.node_id, gone)  # re-announce reconciles otherwise
+        return freed
+
+    def _take_reads(self) -> tuple[list[bytes], dict[str, list[bytes]]]:
+        with self._lock:
+            touched, self._touched = list(self._touched), {}
+            remote, self._remote_reads = self._remote_reads, {}
+        return touched, remote
+
+    def _heartbeat(self) -> None:
+        touched, remote = self._take_reads()
+        try:
+            reply = self._call("heartbeat", self.node_id, self.pool.stats(), touched, remote)
+        except Exception:
+            self._record_reads(touched, "")  # keep the touches and counts for the next beat
+            for reader, keys in remote.items():
+                self._record_reads(keys, reader)
+            raise
+        if reply.epoch != self.epoch or getattr(reply, "reannounce", False):
+            # The coordinator restarted, or declared us dead: tell it everything we hold.
+            self._register()
+        self._evict(reply.evict)
+        for order in reply.replicate:
+            self._replicate(order.keys, order.source)
+
+    def _replicate(self, keys: Sequence[bytes], source: NodeAddress) -> None:
+        """Copy hot blocks from ``source`` into this pool and publish them."""
+        wanted = [k for k in keys if not self.pool.contains(k)]
+        entries = []
+        for key, data, header in fetch_verified(source, wanted, self.config.client,
+                                                reader_node_id=self.node_id):
+            try:
+                stored = self.pool.put(key, data)
+            except PoolFull:
+                break  # replication is best effort: never evict to make room for a copy
+            if stored:
+                self.server.remember(key, header.parent_key, header.namespace_root)
+                entries.append(IndexEntry(key, self.node_id, len(data), header.parent_key,
+                                          header.namespace_root))
+        if entries:
+            self._on_publish(entries)
+
+    def _heartbeat_loop(self) -> None:
+        interval = self.config.coordinator.heartbeat_interval_s
+        while not self._stop.wait(interval):
+            try:
+                self._heartbeat()
+            except Exception as exc:  # a missed beat is retried; the coordinator may restart
+                log.warning("kvstore heartbeat from %s failed: %s", self.node_id[:12], exc)
+
+
+def fetch_verified(source: NodeAddress, keys: Sequence[bytes], config: ClientConfig,
+                   reader_node_id: str = "") -> list[tuple[bytes, bytes, BlockHeader]]:
+    """Whole blocks of ``keys`` from ``source``, each checked on its own terms.
+
+    Missing blocks are skipped and damaged ones dropped with a warning: replication is best
+    effort, and a reader re-verifies every block against its namespace anyway.
+    """
+    if not keys:
+        return []
+    client = StoreNodeClient(source.grpc_address, bulk_address=source.bulk_address,
+                             config=config, reader_node_id=reader_node_id)
+    try:
+        blocks = client.get_blocks(keys)
+    except KVStoreError as exc:
+        log.warning("kvstore replica source %s failed: %s", source.node_id[:12], exc)
+        return []
+    finally:
+        client.close()
+    out = []
+    for key, data in zip(keys, blocks, strict=True):
+        if data is None:
+            continue
+        try:
+            out.append((key, bytes(data), verify_block_self(data, key)))
+        except (BlockCorrupted, BlockMismatch) as exc:
+            log.warning("kvstore replica rejected: %s", exc)
+    return out
+
+
+def sweep_stale_arenas(shm_dir: str, node_id: str) -> int:
+    """Unlink arena files an earlier, dead store node of this Ray node left behind.
+
+    A store node killed by SIGKILL (OOM killer, node restart, ``ray.kill``) cannot unlink its
+    arena, and the file is RAM on tmpfs: without this sweep a crash-looping node would eat the
+    machine's memory one capacity at a time. Files whose pid is alive are left alone.
+    """
+    removed = 0
+    for path in glob.glob(arena_glob(shm_dir, node_id)):
+        try:
+            pid = int(path.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _server_config(config: ServerConfig, ip: str) -> ServerConfig:
+    """Bind the node's IP (not loopback) so other nodes can reach it; advertise that IP."""
+    host = ip if config.host in _LOCAL_HOSTS else config.host
+    return dataclasses.replace(config, host=host, advertise_host=config.advertise_host or ip)
+
+
+#: The actor class ``kvstore.cluster.lifecycle`` starts (placement and names are set there).
+StoreNodeActor = ray.remote(num_cpus=0)(StoreNode)

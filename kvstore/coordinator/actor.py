@@ -1,0 +1,132 @@
+"""The coordinator Ray actor: a thin shell over ``CoordinatorCore``.
+
+``kvstore.cluster.lifecycle.start_coordinator`` runs it as one named, detached actor that Ray
+restarts when it dies. Every method delegates to the plain-Python core, which holds all the
+policy and is tested without Ray. A restart bumps the epoch; store nodes then re-announce what
+they hold. The reaper thread runs here, not in the core, because only a live actor has time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore.api import NodeAddress, PrefixHit
+from kvstore.config import KVStoreConfig
+from kvstore.coordinator.core import CoordinatorCore
+from kvstore.coordinator.liveness import NodeStatus, Reaper
+from kvstore.coordinator.messages import HeartbeatReply
+from kvstore.index.base import IndexEntry
+from kvstore.node.pool import PoolStats
+
+
+class Coordinator:
+    """Cluster LRU, watermarks, pins, liveness and recovery, as one Ray actor."""
+
+    def __init__(self, config: KVStoreConfig) -> None:
+        self._core = CoordinatorCore(config)
+        cfg = config.coordinator
+        # Liveness does not wait for heartbeats: a lone node that dies must still be dropped.
+        # The actor is threaded (max_concurrency > 1) and the core is locked, so a thread is
+        # safe here; a sweep every quarter timeout declares a node dead within 1.25 timeouts.
+        self._reaper = Reaper(self._tick, min(cfg.heartbeat_interval_s, cfg.node_timeout_s / 4))
+        if cfg.metrics_port is not None:
+            from kvstore.metrics import start_metrics_server
+
+            start_metrics_server(cfg.metrics_port)
+
+    def _tick(self) -> None:
+        """The reaper's sweep: an index that lost its data first, then silent nodes."""
+        self._core.check_index()
+        self._core.check_liveness()
+
+    def epoch(self) -> int:
+        """Changes on every (re)start: nodes re-register when they see a new one."""
+        return self._core.epoch
+
+    def register_node(self, node_id: str, address: NodeAddress, capacity_bytes: int,
+                      entries: list[IndexEntry]) -> int:
+        """A node announces itself and everything it holds; returns the epoch."""
+        return self._core.register_node(node_id, address, capacity_bytes, entries)
+
+    def publish(self, node_id: str, entries: list[IndexEntry]) -> None:
+        """Make blocks visible before the node's put returns."""
+        self._core.publish(node_id, entries)
+
+    def heartbeat(self, node_id: str, stats: PoolStats, touched: list[bytes],
+                  remote_reads: dict[str, list[bytes]]) -> HeartbeatReply:
+        """Stats and batched touches in, eviction and replication orders out."""
+        return self._core.heartbeat(node_id, stats, touched, remote_reads)
+
+    def request_eviction(self, node_id: str, nbytes_needed: int) -> list[bytes]:
+        """What a full node should evict now."""
+        return self._core.request_eviction(node_id, nbytes_needed)
+
+    def removed(self, node_id: str, keys: list[bytes]) -> None:
+        """The node evicted or deleted these."""
+        self._core.removed(node_id, keys)
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixHit:
+        """The longest cached prefix and its holders."""
+        return self._core.lookup_prefix(keys)
+
+    def holders(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """The holders of each key."""
+        return self._core.holders(keys)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Record uses from a reader outside the store nodes' heartbeats."""
+        self._core.touch(keys)
+
+    def keys_of_node(self, node_id: str) -> list[bytes]:
+        """The keys the index says ``node_id`` holds."""
+        return self._core.index.keys_of_node(node_id)
+
+    def keys_of_namespace(self, namespace_root: bytes) -> list[bytes]:
+        """The keys of one namespace."""
+        return self._core.index.keys_of_namespace(namespace_root)
+
+    def directory(self) -> dict[str, NodeAddress]:
+        """Live nodes' addresses."""
+        return self._core.directory()
+
+    def nodes(self) -> list[NodeStatus]:
+        """Every node, live and dead."""
+        return self._core.nodes_status()
+
+    def pin(self, keys: Sequence[bytes], *, hard: bool = False, ttl_s: float | None = None
+            ) -> int:
+        """Pin keys (hard: never evicted; soft: last, with a TTL)."""
+        return self._core.pin(keys, hard=hard, ttl_s=ttl_s)
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        """Remove pins."""
+        return self._core.unpin(keys)
+
+    def drain(self, node_id: str) -> int:
+        """Move a node's blocks elsewhere (or evict them) so it can be removed."""
+        return self._core.drain(node_id)
+
+    def remove_node(self, node_id: str) -> int:
+        """Forget a node on purpose."""
+        return self._core.remove_node(node_id)
+
+    def invalidate(self, namespace_root: bytes) -> int:
+        """Evict a namespace everywhere."""
+        return self._core.invalidate(namespace_root)
+
+    def status(self) -> dict[str, Any]:
+        """The json-able operator view."""
+        return self._core.status()
+
+    def metrics_text(self) -> str:
+        """This process's Prometheus exposition (the coordinator's series live here)."""
+        from prometheus_client import generate_latest
+
+        from kvstore.metrics import REGISTRY
+
+        return generate_latest(REGISTRY).decode()
+
+    def ping(self) -> int:
+        """A no-op round trip (the benchmark's actor-call overhead)."""
+        return self._core.epoch

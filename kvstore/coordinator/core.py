@@ -1,0 +1,495 @@
+"""The coordinator's logic as plain Python: cluster LRU, watermarks, pins, liveness, recovery.
+
+``kvstore.coordinator.actor.Coordinator`` is a thin Ray shell around this class, so every policy is
+tested without Ray. Store nodes call in (register, publish, heartbeat, removed, request
+eviction); orders go back in heartbeat replies, never as calls into the nodes, so a slow node
+cannot stall the coordinator.
+
+Recovery: every start bumps the epoch. Store nodes see the new epoch in a heartbeat reply and
+re-announce everything they hold; ``register_node`` reconciles the index with that (adding
+missing holders, dropping ones the node no longer has) and counts the difference as drift.
+With Redis the index (and so the LRU table) is also reloaded at start, and a marker key holds
+the epoch: when ``check_index`` finds it gone (Redis restarted empty, or was flushed), the
+epoch is bumped so every live node re-announces what it holds and the index is rebuilt.
+
+Two index modes. Embedded (``index.backend == "memory"``): the index *is* the LRU table
+(``TableIndex``), so every block is stored once, in one compact row, and the index's node bits
+are the nodes' slots. External (Redis, or any ``Index`` passed in): the index is shared with
+readers and the LRU table mirrors it for eviction, so writes go to both.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvstore import metrics as prom
+from kvstore.api import NodeAddress, PrefixHit
+from kvstore.config import KVStoreConfig
+from kvstore.coordinator.liveness import NodeState, NodeStatus, NodeTable
+from kvstore.coordinator.lru import PIN_HARD, PIN_NONE, PIN_SOFT, LRUTable
+from kvstore.coordinator.messages import HeartbeatReply, ReplicateOrder, node_json
+from kvstore.coordinator.pins import PinTable
+from kvstore.coordinator.table_index import TableIndex
+from kvstore.index.base import Index, IndexEntry, check_keys, check_node_id
+from kvstore.index.factory import make_index
+from kvstore.node.pool import PoolStats
+
+log = logging.getLogger(__name__)
+
+#: a (key, reader) pair counted toward replication; the counter is cleared past this size
+_MAX_HOT_COUNTERS = 100_000
+
+
+class CoordinatorCore:
+    """Cluster state and policy; every public method is thread-safe."""
+
+    def __init__(self, config: KVStoreConfig, *, index: Index | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.cfg = config.coordinator
+        self.clock = clock
+        # bumps on every start (a restart takes far longer than the 1 us resolution)
+        self.epoch = time.time_ns() // 1_000
+        if index is None:
+            index = TableIndex() if config.index.backend == "memory" else make_index(config.index)
+        self.index: Index = index
+        self.pins = PinTable()
+        self.nodes = NodeTable(self.cfg.node_timeout_s)
+        self.dead: dict[str, NodeStatus] = {}
+        self.hot: Counter[tuple[bytes, str]] = Counter()
+        self.metrics: Counter[str] = Counter()
+        self._table_index = index if isinstance(index, TableIndex) else None
+        if self._table_index is not None:
+            self.lru = self._table_index.table
+            # one lock for both: readers' lookups enter the index without the core's lock
+            self._lock = self._table_index.lock
+        else:
+            self.lru = LRUTable()
+            self._lock = threading.RLock()
+        self._reload()
+        set_marker = getattr(self.index, "set_marker", None)
+        if set_marker is not None:
+            set_marker(self.epoch)
+
+    def _ensure(self, node_id: str, now: float) -> NodeState:
+        """The node's state; in embedded mode its slot is its bit in the index."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes.ensure(node_id, now)
+            if self._table_index is not None:
+                node.slot = self._table_index.claim_node(node_id)
+        return node
+
+    @property
+    def external_index(self) -> bool:
+        """True when the index is a separate store the LRU table must be kept in step with."""
+        return self._table_index is None
+
+    # -- recovery --------------------------------------------------------------------------
+
+    def _reload(self) -> None:
+        """Rebuild the LRU table from a persistent index (Redis); nodes get one timeout to
+        re-register before their keys are dropped."""
+        now = self.clock()
+        if self._table_index is not None:  # the table is the index: nothing to copy
+            for node_id in self.index.nodes():
+                self._ensure(node_id, now)
+            self.metrics["reloaded_blocks"] += self.lru.num_blocks
+            return
+        for node_id in self.index.nodes():
+            keys = self.index.keys_of_node(node_id)
+            infos = [i for i in self.index.info(keys) if i is not None]
+            infos.sort(key=lambda i: i.last_use)  # oldest first: the table's clock order
+            node = self._ensure(node_id, now)
+            self.lru.add(node.slot, [i.key for i in infos], [i.parent_key for i in infos],
+                         [i.nbytes for i in infos], [i.namespace_root for i in infos])
+            self.metrics["reloaded_blocks"] += len(infos)
+
+    def check_index(self) -> bool:
+        """Bump the epoch when a persistent index lost its data (its epoch marker is gone), so
+        every live node re-announces what it holds; True if it did. Runs on the reaper tick."""
+        claim = getattr(self.index, "claim_marker", None)
+        if claim is None:  # embedded or in-memory index: it cannot be lost without us
+            return False
+        candidate = max(time.time_ns() // 1_000, self.epoch + 1)
+        if not claim(candidate):  # the marker is there: the index still has its data
+            return False
+        with self._lock:
+            self.epoch = candidate
+            # what the index lost: the blocks our LRU table still tracks for live nodes
+            self.metrics["index_resets"] += 1
+            self.metrics["index_lost_blocks"] += self.lru.num_blocks
+            log.warning("kvstore index lost its data (epoch marker missing): %d blocks, "
+                        "new epoch %d, live nodes re-announce", self.lru.num_blocks, candidate)
+        return True
+
+    def register_node(self, node_id: str, address: NodeAddress, capacity_bytes: int,
+                      entries: Sequence[IndexEntry]) -> int:
+        """A node (re)announces itself and everything it holds; returns the epoch."""
+        check_node_id(node_id)
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        self._check_owner(node_id, entries)
+        with self._lock:
+            now = self.clock()
+            node = self._ensure(node_id, now)
+            node.address, node.capacity_bytes, node.last_heartbeat = address, capacity_bytes, now
+            self.dead.pop(node_id, None)
+            announced = {e.key for e in entries}
+            known = set(self.index.keys_of_node(node_id))
+            missing = [e for e in entries if e.key not in known]
+            stale = sorted(known - announced)
+            if missing and self.external_index:
+                self.index.publish(missing)
+            if stale:
+                self._remove(node, stale)
+            self._record(node, entries)
+            self.metrics["drift_added"] += len(missing)
+            self.metrics["drift_removed"] += len(stale)
+            self.metrics["registrations"] += 1
+            prom.record_drift(len(missing), len(stale))
+            self._observe()
+            return self.epoch
+
+    def _check_owner(self, node_id: str, entries: Sequence[IndexEntry]) -> None:
+        for e in entries:
+            if not isinstance(e, IndexEntry):
+                raise TypeError(f"entries must be IndexEntry objects, got {type(e).__name__}")
+            if e.node_id != node_id:
+                raise ValueError(f"entry for key {e.key[:8].hex()} names node {e.node_id!r}, "
+                                 f"but node {node_id!r} sent it; a node announces its own blocks")
+
+    def _record(self, node: NodeState, entries: Sequence[IndexEntry]) -> None:
+        """Track entries for LRU (in embedded mode this is the index's publish itself)."""
+        if not entries:
+            return
+        keys = [e.key for e in entries]
+        if self._table_index is not None:
+            self._table_index.publish(entries)
+        else:
+            self.lru.add(node.slot, keys, [e.parent_key for e in entries],
+                         [e.nbytes for e in entries], [e.namespace_root for e in entries])
+        for level, pinned in self.pins.levels(keys).items():
+            self.lru.set_pin(pinned, level)
+        # a replica landed elsewhere: a draining node can now let go of its copy
+        draining = [n for n in self.nodes.nodes.values() if n.draining and n is not node]
+        for d in draining:
+            masks = self.lru.holder_masks(keys)
+            bit = 1 << d.slot
+            d.pending_evict.extend(k for k, m in zip(keys, masks.tolist(), strict=True)
+                                   if m & bit)
+
+    # -- the data path's calls -------------------------------------------------------------
+
+    def publish(self, node_id: str, entries: Sequence[IndexEntry]) -> None:
+        """Make ``entries`` visible (before the node's put returns) and track them for LRU."""
+        check_node_id(node_id)
+        self._check_owner(node_id, entries)
+        with self._lock:
+            node = self._ensure(node_id, self.clock())
+            if self.external_index:
+                self.index.publish(entries)
+            self._record(node, entries)
+            self.metrics["published"] += len(entries)
+
+    def removed(self, node_id: str, keys: Sequence[bytes]) -> None:
+        """The node evicted or deleted ``keys``."""
+        check_node_id(node_id)
+        check_keys(keys)
+        with self._lock:
+            node = self.nodes.get(node_id)
+            if node is not None:
+                self._remove(node, keys)
+                node.ordered.difference_update(keys)
+            else:
+                self.index.remove(keys, node_id)
+            self.metrics["removed"] += len(keys)
+
+    def _remove(self, node: NodeState, keys: Sequence[bytes]) -> None:
+        self.index.remove(keys, node.node_id)
+        if self.external_index:
+            self.lru.remove(node.slot, keys)
+
+    def touch(self, keys: Sequence[bytes], now: float | None = None) -> None:
+        """Record uses (LRU order and the index's last use) of ``keys``."""
+        check_keys(keys)
+        with self._lock:
+            self._touch(keys, self.clock() if now is None else now)
+
+    def _touch(self, keys: Sequence[bytes], now: float) -> None:
+        if self.external_index:
+            self.lru.touch(keys)
+        self.index.touch(keys, now)  # in embedded mode this is the table's touch
+        self.metrics["touches"] += len(keys)
+
+    def heartbeat(self, node_id: str, stats: PoolStats, touched: Sequence[bytes],
+                  remote_reads: dict[str, list[bytes]]) -> HeartbeatReply:
+        """Stats, batched LRU touches and remote reads in; eviction/replication orders out."""
+        check_node_id(node_id)
+        with self._lock:
+            now = self.clock()
+            self._sweep(now)
+            came_back = node_id in self.dead
+            node = self._ensure(node_id, now)
+            node.last_heartbeat, node.stats = now, stats
+            if stats.capacity_bytes > 0:
+                node.capacity_bytes = stats.capacity_bytes
+            if came_back:
+                self.dead.pop(node_id, None)
+            node.ordered.clear()  # the node has executed what it was told last time
+            if touched:
+                self._touch(touched, now)
+            self._count_remote_reads(node, remote_reads)
+            self._expire_pins(now)
+            evict = node.pending_evict
+            node.pending_evict = []
+            cap = node.capacity_bytes
+            if cap and stats.used_bytes > self.cfg.high_watermark * cap:
+                target = stats.used_bytes - int(self.cfg.low_watermark * cap)
+                evict += self.lru.plan(node.slot, target, list(node.ordered.union(evict)))
+            node.ordered.update(evict)
+            replicate = []
+            for src_id, keys in node.pending_replicate.items():
+                src = self.nodes.get(src_id)
+                if src is not None and src.address is not None:
+                    replicate.append(ReplicateOrder(keys, src.address))
+            node.pending_replicate = {}
+            self.metrics["evict_orders"] += len(evict)
+            prom.COORD_EVICT_ORDERS.inc(len(evict))
+            self._observe()
+            return HeartbeatReply(self.epoch, evict, replicate,
+                                  reannounce=came_back or node.address is None)
+
+    def request_eviction(self, node_id: str, nbytes_needed: int) -> list[bytes]:
+        """What a full node should evict right now to fit ``nbytes_needed`` more bytes."""
+        check_node_id(node_id)
+        with self._lock:
+            node = self._ensure(node_id, self.clock())
+            self._expire_pins(self.clock())
+            target = nbytes_needed
+            if node.capacity_bytes:  # go down to the low watermark, not just enough for one put
+                low = int(self.cfg.low_watermark * node.capacity_bytes)
+                target = max(nbytes_needed, node.used_bytes + nbytes_needed - low)
+            keys = self.lru.plan(node.slot, target, list(node.ordered))
+            node.ordered.update(keys)
+            self.metrics["eviction_requests"] += 1
+            self.metrics["evict_orders"] += len(keys)
+            prom.COORD_EVICT_ORDERS.inc(len(keys))
+            return keys
+
+    def _count_remote_reads(self, source: NodeState, remote_reads: dict[str, list[bytes]]
+                            ) -> None:
+        """Queue replication to readers' nodes for soft-pinned or often-fetched keys."""
+        if len(self.hot) > _MAX_HOT_COUNTERS:
+            self.hot.clear()
+        for reader_id, keys in remote_reads.items():
+            reader = self.nodes.get(reader_id)
+            if reader is None or reader is source or reader.draining or not keys:
+                continue
+            masks = self.lru.holder_masks(keys).tolist()
+            sizes = self.lru.nbytes[self.lru.lookup(keys)].tolist()
+            room = int(self.cfg.high_watermark * reader.capacity_bytes) - reader.used_bytes
+            orders = reader.pending_replicate.setdefault(source.node_id, [])
+            for key, mask, size in zip(keys, masks, sizes, strict=True):
+                if not mask or mask >> reader.slot & 1 or key in orders:
+                    continue
+                self.hot[(key, reader_id)] += 1
+                if self.pins.is_soft(key) or self.hot[(key, reader_id)] >= \
+                        self.cfg.hot_fetch_threshold:
+                    if size > room:
+                        continue
+                    room -= size
+                    orders.append(key)
+                    del self.hot[(key, reader_id)]
+                    self.metrics["replicate_orders"] += 1
+                    prom.COORD_REPLICATE_ORDERS.inc()
+            if not orders:
+                del reader.pending_replicate[source.node_id]
+
+    # -- liveness --------------------------------------------------------------------------
+
+    def _sweep(self, now: float) -> None:
+        dead = self.nodes.expired(now)
+        for node in dead:
+            self._forget(node, alive=False)
+            self.metrics["nodes_dead"] += 1
+            prom.COORD_NODES_DEAD.inc()
+            prom.forget_node(node.node_id)
+        if dead:
+            self._observe()
+
+    def _observe(self) -> None:
+        """Refresh the gauges (nodes alive, pins) after a change."""
+        prom.observe_coordinator(len(self.nodes.nodes), self.pins.counts())
+
+    def _forget(self, node: NodeState, *, alive: bool) -> None:
+        num = self._drop(node)
+        status = node.status(num)
+        status.alive = alive
+        self.dead[node.node_id] = status
+        for other in self.nodes.nodes.values():
+            other.pending_replicate.pop(node.node_id, None)
+
+    def _drop(self, node: NodeState) -> int:
+        num = self.index.drop_node(node.node_id)  # embedded: frees the node's bit/slot too
+        if self.external_index:
+            self.lru.drop_node(node.slot)
+        return num
+
+    def check_liveness(self) -> list[str]:
+        """Declare silent nodes dead now; returns their ids."""
+        with self._lock:
+            before = set(self.nodes.nodes)
+            self._sweep(self.clock())
+            return sorted(before - set(self.nodes.nodes))
+
+    # -- readers' view ---------------------------------------------------------------------
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixHit:
+        """The longest cached prefix of ``keys`` and its holders."""
+        return self.index.lookup_prefix(keys)
+
+    def holders(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """The holders of each key."""
+        return self.index.holders(keys)
+
+    def directory(self) -> dict[str, NodeAddress]:
+        """Addresses of live nodes."""
+        with self._lock:
+            self._sweep(self.clock())
+            return {n.node_id: n.address for n in self.nodes.nodes.values()
+                    if n.address is not None}
+
+    def nodes_status(self) -> list[NodeStatus]:
+        """Every live node, then the ones declared dead."""
+        with self._lock:
+            self._sweep(self.clock())
+            live = [n.status(self._blocks(n)) for n in self.nodes.nodes.values()]
+            return sorted(live, key=lambda s: s.node_id) + sorted(
+                self.dead.values(), key=lambda s: s.node_id)
+
+    def _blocks(self, node: NodeState) -> int:
+        return int(((self.lru.holders >> node.slot) & 1).sum())
+
+    # -- operator calls --------------------------------------------------------------------
+
+    def pin(self, keys: Sequence[bytes], *, hard: bool, ttl_s: float | None) -> int:
+        """Pin keys (hard: never evicted; soft: evicted last, expires after ``ttl_s``)."""
+        check_keys(keys)
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0 seconds or None, got {ttl_s}")
+        if not hard and ttl_s is None:
+            ttl_s = self.cfg.soft_pin_ttl_s
+        with self._lock:
+            expires = None if ttl_s is None else self.clock() + ttl_s
+            self.pins.pin(keys, hard=hard, expires_at=expires)
+            self.lru.set_pin(keys, PIN_HARD if hard else PIN_SOFT)
+            self._observe()
+            return len(keys)
+
+    def unpin(self, keys: Sequence[bytes]) -> int:
+        """Remove pins; returns how many keys were pinned."""
+        check_keys(keys)
+        with self._lock:
+            gone = self.pins.unpin(keys)
+            self.lru.set_pin(gone, PIN_NONE)
+            self._observe()
+            return len(gone)
+
+    def _expire_pins(self, now: float) -> None:
+        gone = self.pins.expire(now)
+        if gone:
+            self.lru.set_pin(gone, PIN_NONE)
+            self.metrics["pins_expired"] += len(gone)
+            self._observe()
+
+    def drain(self, node_id: str) -> int:
+        """Empty a node: replicate its blocks where there is room, evict the rest."""
+        check_node_id(node_id)
+        with self._lock:
+            node = self.nodes.get(node_id)
+            if node is None:
+                raise ValueError(f"node {node_id!r} is not registered; see `kvstore status`")
+            node.draining = True
+            slots = self.lru._slots_of(node.slot)
+            keys = self.lru.key_of(slots)
+            sizes = self.lru.nbytes[slots].tolist()
+            masks = self.lru.holders[slots].tolist()
+            targets = [n for n in self.nodes.nodes.values()
+                       if n is not node and not n.draining and n.address is not None]
+            room = {t.node_id: int(self.cfg.high_watermark * t.capacity_bytes) - t.used_bytes
+                    for t in targets}
+            for key, size, mask in zip(keys, sizes, masks, strict=True):
+                if any(mask >> t.slot & 1 for t in targets):
+                    node.pending_evict.append(key)  # another node already has a copy
+                    continue
+                dest = max(targets, key=lambda t: room[t.node_id], default=None)
+                if dest is None or room[dest.node_id] < size:
+                    node.pending_evict.append(key)
+                    continue
+                room[dest.node_id] -= size
+                dest.pending_replicate.setdefault(node_id, []).append(key)
+            self.metrics["drains"] += 1
+            return len(keys)
+
+    def remove_node(self, node_id: str) -> int:
+        """Forget a node (after a drain, or a node shut down on purpose)."""
+        with self._lock:
+            node = self.nodes.remove(node_id)
+            if node is None:
+                return 0
+            num = self._drop(node)
+            for other in self.nodes.nodes.values():
+                other.pending_replicate.pop(node_id, None)
+            self._observe()
+            return num
+
+    def invalidate(self, namespace_root: bytes) -> int:
+        """Evict every block of a namespace everywhere; returns how many keys."""
+        check_keys([namespace_root])
+        with self._lock:
+            keys = sorted(set(self.index.keys_of_namespace(namespace_root))
+                          | set(self.lru.namespace_keys(namespace_root)))
+            if not keys:
+                return 0
+            masks = self.lru.holder_masks(keys).tolist()
+            for node in self.nodes.nodes.values():
+                mine = [k for k, m in zip(keys, masks, strict=True) if m >> node.slot & 1]
+                if mine:
+                    node.pending_evict.extend(mine)
+                    self._remove(node, mine)
+            self.unpin(keys)
+            self.metrics["invalidated"] += len(keys)
+            return len(keys)
+
+    def status(self, top_k: int = 10) -> dict[str, Any]:
+        """A json-able operator view: key hashes and counts, never tokens."""
+        nodes = self.nodes_status()
+        with self._lock:
+            hits = sum(n.hits for n in nodes)
+            misses = sum(n.misses for n in nodes)
+            return {
+                "epoch": self.epoch,
+                "nodes": [node_json(n) for n in nodes],
+                "totals": {
+                    "nodes_alive": sum(n.alive for n in nodes),
+                    "capacity_bytes": sum(n.capacity_bytes for n in nodes if n.alive),
+                    "used_bytes": sum(n.used_bytes for n in nodes if n.alive),
+                    "blocks": self.lru.num_blocks,
+                    "hits": hits,
+                    "misses": misses,
+                    "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+                    "evictions": sum(n.evictions for n in nodes),
+                },
+                "drift": {"added": self.metrics["drift_added"],
+                          "removed": self.metrics["drift_removed"]},
+                "pins": self.pins.counts(),
+                "metrics": dict(self.metrics),
+                "top_prefixes": [{"key": k[:8].hex(), "touches": c}
+                                 for k, c in self.lru.top(top_k)],
+            }

@@ -1,0 +1,221 @@
+"""The embedded index as one compact table: ``Index`` answered from the coordinator's LRUTable.
+
+In memory mode the coordinator used to keep every block twice, in its LRU table (~110 B) and
+in an ``InMemoryIndex`` of dicts and sets (~470 B). Here the table *is* the index: holders are
+its bitmask (node ids map to bits in a 64-entry registry), size, parent, namespace root and
+last use are its columns, so each block costs one table row and no Python object at all.
+
+Node bits: a node keeps its bit from its first publish (or ``claim_node``) until
+``drop_node``, so the coordinator can use the bit as its node slot; a bit whose node holds
+nothing and was never claimed is recycled when all 64 are taken.
+
+Keys are 32 bytes (sha256 block keys): other lengths are rejected with a ``KVStoreError``
+instead of being silently never found.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvstore.api import PrefixHit
+from kvstore.constants import KEY_NBYTES
+from kvstore.coordinator.lru import MAX_NODES, LRUTable
+from kvstore.errors import KVStoreError
+from kvstore.index.base import IndexEntry, KeyInfo, check_entries, check_keys, check_node_id
+
+#: distinct holder masks whose sorted node-id tuple is cached (one per replica set in use)
+_MAX_CACHED_MASKS = 4096
+
+
+def check_table_keys(keys: Sequence[bytes]) -> None:
+    """Keys are 32-byte bytes; checked with C-speed map/set (this is every lookup's path)."""
+    _check_types(keys)
+    if set(map(len, keys)) - {KEY_NBYTES}:
+        check_keys(keys)  # an empty key is a TypeError, as on the other backends
+        raise KVStoreError(f"block keys are {KEY_NBYTES} bytes (sha256), got keys of "
+                           f"{sorted(set(map(len, keys)) - {KEY_NBYTES})} bytes")
+
+
+def _check_types(keys: Sequence[bytes]) -> None:
+    if isinstance(keys, (bytes, str)) or set(map(type, keys)) - {bytes}:
+        check_keys(keys)  # raises the precise TypeError
+
+
+class TableIndex:
+    """``kvstore.index.base.Index`` over one ``LRUTable``: every block stored once, compactly."""
+
+    def __init__(self, table: LRUTable | None = None) -> None:
+        self.table = LRUTable() if table is None else table
+        # Re-entrant: the coordinator takes it around calls that also enter the index.
+        self.lock = threading.RLock()
+        self._bits: dict[str, int] = {}
+        self._names: list[str | None] = [None] * MAX_NODES
+        self._claimed = 0  # bits the coordinator uses as node slots: never recycled
+        self._mask_names: dict[int, tuple[str, ...]] = {}
+
+    # -- node bits -------------------------------------------------------------------------
+
+    def claim_node(self, node_id: str) -> int:
+        """The node's bit, allocated if new and kept until ``drop_node`` (a node slot)."""
+        check_node_id(node_id)
+        with self.lock:
+            bit = self._bit(node_id)
+            self._claimed |= 1 << bit
+            return bit
+
+    def _bit(self, node_id: str) -> int:
+        bit = self._bits.get(node_id)
+        if bit is not None:
+            return bit
+        free = [b for b, n in enumerate(self._names) if n is None]
+        if not free:  # recycle bits of nodes that hold nothing and nobody claimed
+            busy = self.table.live_holders() | self._claimed
+            for b, name in enumerate(self._names):
+                if not busy >> b & 1 and name is not None:
+                    self._release(name)
+                    free.append(b)
+        if not free:
+            raise KVStoreError(f"the index tracks at most {MAX_NODES} store nodes; "
+                               "drain or remove one first")
+        self._bits[node_id] = free[0]
+        self._names[free[0]] = node_id
+        self._mask_names.clear()
+        return free[0]
+
+    def _release(self, node_id: str) -> None:
+        bit = self._bits.pop(node_id)
+        self._names[bit] = None
+        self._claimed &= ~(1 << bit)
+        self._mask_names.clear()
+
+    def _slots(self, keys: Sequence[bytes]) -> np.ndarray:
+        """Slot per key (-1 if unknown); the table checks the lengths as it packs them."""
+        _check_types(keys)
+        try:
+            return self.table.lookup(keys)
+        except KVStoreError:
+            check_keys(keys)  # an empty key is a TypeError, as on the other backends
+            raise
+
+    def _holder_lists(self, masks: np.ndarray) -> list[list[str]]:
+        """Sorted node ids per mask; one fresh list per key (the reply owns it)."""
+        cache = self._mask_names
+        if len(cache) > _MAX_CACHED_MASKS:
+            cache.clear()
+        mask_list = masks.tolist()
+        for m in set(mask_list).difference(cache):  # a chain has one or two distinct masks
+            cache[m] = tuple(sorted(n for b, n in enumerate(self._names)
+                                    if m >> b & 1 and n is not None))
+        return list(map(list, map(cache.__getitem__, mask_list)))  # C loops, no per-key bytecode
+
+    # -- the Index protocol ----------------------------------------------------------------
+
+    def publish(self, entries: Sequence[IndexEntry]) -> None:
+        """Add holders; visible to every reader when it returns."""
+        check_entries(entries)
+        for e in entries:
+            check_table_keys([e.key, e.parent_key, e.namespace_root])
+        now = time.time()
+        by_node: dict[str, list[IndexEntry]] = {}
+        for e in entries:
+            by_node.setdefault(e.node_id, []).append(e)
+        with self.lock:
+            bits = {n: self._bit(n) for n in by_node}  # may fail: before anything is written
+            for node_id, es in by_node.items():
+                self.table.add(bits[node_id], [e.key for e in es], [e.parent_key for e in es],
+                               [e.nbytes for e in es], [e.namespace_root for e in es], now=now)
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixHit:
+        """Leading keys with a holder, found in one vectorised probe of the table."""
+        with self.lock:
+            slots = self._slots(keys)
+            missing = np.flatnonzero(slots < 0)
+            n = int(missing[0]) if missing.size else len(slots)
+            found = self._holder_lists(self.table.holders[slots[:n]])
+        return PrefixHit(num_blocks=n, holders=found)
+
+    def holders(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """The holders of each key (empty list for an unknown key)."""
+        with self.lock:
+            slots = self._slots(keys)
+            masks = np.where(slots >= 0, self.table.holders[slots], 0)
+            return self._holder_lists(masks)
+
+    def info(self, keys: Sequence[bytes]) -> list[KeyInfo | None]:
+        """Everything known about each key, ``None`` for an unknown key."""
+        t = self.table
+        with self.lock:
+            slots = self._slots(keys)
+            known = slots[slots >= 0]
+            holders = iter(self._holder_lists(t.holders[known]))
+            out: list[KeyInfo | None] = []
+            for key, s in zip(keys, slots.tolist(), strict=True):
+                if s < 0:
+                    out.append(None)
+                    continue
+                out.append(KeyInfo(key, next(holders), int(t.nbytes[s]), t.parent[s].tobytes(),
+                                   t.roots[int(t.root[s])], float(t.used_at[s])))
+            return out
+
+    def touch(self, keys: Sequence[bytes], now: float | None = None) -> None:
+        """Record a use (LRU order and wall-clock last use); unknown keys are ignored."""
+        check_table_keys(keys)
+        with self.lock:
+            self.table.touch(keys, time.time() if now is None else float(now))
+
+    def remove(self, keys: Sequence[bytes], node_id: str) -> None:
+        """``node_id`` no longer holds ``keys``; a key left without holders disappears."""
+        check_table_keys(keys)
+        check_node_id(node_id)
+        with self.lock:
+            bit = self._bits.get(node_id)
+            if bit is not None:
+                self.table.remove(bit, keys)
+
+    def drop_node(self, node_id: str) -> int:
+        """Forget a node that left (its bit is free again); returns how many keys it held."""
+        check_node_id(node_id)
+        with self.lock:
+            bit = self._bits.get(node_id)
+            if bit is None:
+                return 0
+            num = self.table.drop_node(bit)
+            self._release(node_id)
+            return num
+
+    def keys_of_node(self, node_id: str) -> list[bytes]:
+        """The keys a node holds."""
+        with self.lock:
+            bit = self._bits.get(node_id)
+            return [] if bit is None else sorted(self.table.keys_of(bit))
+
+    def keys_of_namespace(self, namespace_root: bytes) -> list[bytes]:
+        """The keys of one namespace."""
+        with self.lock:
+            return sorted(self.table.namespace_keys(namespace_root))
+
+    def nodes(self) -> list[str]:
+        """The nodes that hold at least one key."""
+        with self.lock:
+            live = self.table.live_holders()
+            return sorted(n for b, n in enumerate(self._names) if n is not None and live >> b & 1)
+
+    def num_keys(self) -> int:
+        """How many keys have at least one holder."""
+        return self.table.num_blocks
+
+    def clear(self) -> None:
+        """Forget everything, in place (the coordinator shares the table)."""
+        with self.lock:
+            self.table.clear()
+            self._bits.clear()
+            self._names = [None] * MAX_NODES
+            self._claimed = 0
+            self._mask_names.clear()
+
+    def close(self) -> None:
+        """Nothing to release; kept for the protocol."""

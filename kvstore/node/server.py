@@ -1,0 +1,452 @@
+"""A store node's gRPC server: streamed put/get, leases for same-node readers, admin calls.
+
+The only place where ``kvstore.errors`` become gRPC status codes. Put is two-phase per block
+(reserve arena space -> copy the chunks in -> verify header and checksum -> commit), and the
+Put call returns only after ``on_publish`` made the keys visible in the index, so a reader that
+asks after ``put`` returned finds them. Remote bulk reads go through ``kvstore.node.bulk``
+instead of ``Get`` when the client has its address (see that module for why).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from kvstore import metrics
+from kvstore.block import read_header, verify_block
+from kvstore.config import ServerConfig
+from kvstore.constants import KEY_NBYTES
+from kvstore.errors import (
+    BlockCorrupted,
+    BlockMismatch,
+    BlockNotFound,
+    ConfigError,
+    KVStoreError,
+    LeaseExpired,
+    NamespaceMismatch,
+    PoolFull,
+    RequestTooLarge,
+    Unauthenticated,
+)
+from kvstore.index.base import IndexEntry
+from kvstore.keys import Namespace
+from kvstore.node.bulk import BulkServer, count_in, count_out
+from kvstore.node.wire import (  # noqa: F401  (re-exported: the server module was their home)
+    AUTH_HEADER,
+    AuthInterceptor,
+    grpc_options,
+    namespace_from_spec,
+    spec_from_namespace,
+)
+from protos import kvstore_pb2 as pb
+from protos import kvstore_pb2_grpc as pb_grpc
+
+_STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (PoolFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (RequestTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (BlockNotFound, grpc.StatusCode.NOT_FOUND),
+    (LeaseExpired, grpc.StatusCode.FAILED_PRECONDITION),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (BlockCorrupted, grpc.StatusCode.INVALID_ARGUMENT),
+    (BlockMismatch, grpc.StatusCode.INVALID_ARGUMENT),
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+]
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status code a kvstore error travels as."""
+    for cls, code in _STATUS:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+    context.abort(status_for(exc), f"{type(exc).__name__}: {exc}")
+
+
+def _check_keys(keys: Any) -> list[bytes]:
+    keys = list(keys)
+    for key in keys:
+        if len(key) != KEY_NBYTES:
+            raise ValueError(f"block keys are {KEY_NBYTES}-byte sha256 digests, got {len(key)}")
+    return keys
+
+
+class _PutBlock:
+    """One block being received: its reservation and how many bytes have arrived."""
+
+    __slots__ = ("key", "total", "received", "reservation")
+
+    def __init__(self, key: bytes, total: int, reservation: Any) -> None:
+        self.key = key
+        self.total = total
+        self.received = 0
+        self.reservation = reservation  # None when the block is already held: drain only
+
+
+class _Servicer(pb_grpc.StoreNodeServicer):
+    def __init__(self, server: StoreServer) -> None:
+        self.s = server
+        self.pool = server.pool
+
+    # -- data -----------------------------------------------------------------------------
+    def Put(self, request_iterator: Iterator[pb.PutChunk], context: grpc.ServicerContext
+            ) -> pb.PutResponse:
+        entries: list[IndexEntry] = []
+        num_existing = 0
+        current: _PutBlock | None = None
+        namespace: Namespace | None = None
+        try:
+            for msg in request_iterator:
+                if namespace is None:
+                    if not msg.HasField("namespace"):
+                        raise ValueError("the first Put message must carry the namespace")
+                    namespace = namespace_from_spec(msg.namespace)
+                if current is None:
+                    current = self._begin_block(msg)
+                elif msg.key and msg.key != current.key:
+                    raise ValueError("a Put block ended early: its chunks stopped before "
+                                     f"total_nbytes={current.total}")
+                if msg.offset != current.received:
+                    raise ValueError(f"Put chunk offset {msg.offset} != expected "
+                                     f"{current.received} (chunks must be in order)")
+                n = len(msg.data)
+                if current.received + n > current.total:
+                    raise ValueError("Put chunk runs past the block's total_nbytes")
+                if current.reservation is not None:
+                    current.reservation.view[current.received : current.received + n] = msg.data
+                current.received += n
+                if current.received == current.total:
+                    entry = self._finish_block(current, namespace)
+                    if entry is None:
+                        num_existing += 1
+                    else:
+                        entries.append(entry)
+                    current = None
+            if current is not None:
+                raise ValueError(f"Put stream ended inside block {current.key.hex()[:16]} "
+                                 f"({current.received}/{current.total} bytes)")
+        except (KVStoreError, ValueError) as exc:
+            metrics.record_rejected(_reject_reason(exc))
+            if current is not None and current.reservation is not None:
+                self.pool.abort(current.reservation)
+            self._publish(entries, context)  # the blocks verified before the bad one are good
+            metrics_put(entries)
+            _abort(context, exc)
+        self._publish(entries, context)
+        metrics_put(entries)
+        return pb.PutResponse(num_stored=len(entries), num_existing=num_existing)
+
+    def _begin_block(self, msg: pb.PutChunk) -> _PutBlock:
+        key = bytes(msg.key)
+        _check_keys([key])
+        total = msg.total_nbytes
+        if total <= 0:
+            raise ValueError("Put block total_nbytes must be > 0")
+        if total > self.s.max_block_bytes:
+            raise RequestTooLarge(f"block of {total} bytes exceeds the node's limit of "
+                                  f"{self.s.max_block_bytes} bytes")
+        if self.pool.contains(key):
+            return _PutBlock(key, total, None)
+        return _PutBlock(key, total, self.pool.reserve(key, total))
+
+    def _finish_block(self, block: _PutBlock, namespace: Namespace) -> IndexEntry | None:
+        res = block.reservation
+        if res is None:
+            return None
+        block.reservation = None  # from here on this function owns it: commit or abort
+        try:
+            header = verify_block(res.view[: block.total], namespace, block.key)
+        except BaseException:
+            self.pool.abort(res)
+            raise
+        if not self.pool.commit(res):
+            return None  # a concurrent writer committed the same immutable block first
+        self.s.remember(block.key, header.parent_key, header.namespace_root)
+        return IndexEntry(block.key, self.s.node_id, block.total, header.parent_key,
+                          header.namespace_root)
+
+    def _publish(self, entries: list[IndexEntry], context: grpc.ServicerContext) -> None:
+        if entries and self.s.on_publish is not None:
+            try:
+                self.s.on_publish(entries)
+            except Exception as exc:  # the index is down: the caller must not think it's visible
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"blocks stored but the index "
+                              f"did not accept them: {type(exc).__name__}: {exc}")
+
+    def Get(self, request: pb.KeysRequest, context: grpc.ServicerContext) -> Iterator[pb.GetChunk]:
+        try:
+            keys = _check_keys(request.keys)
+        except ValueError as exc:
+            _abort(context, exc)
+        chunk = self.s.chunk_bytes
+        for key in keys:
+            try:
+                with self.pool.read(key) as view:
+                    total = len(view)
+                    parts = [bytes(view[off : off + chunk]) for off in range(0, total, chunk)]
+            except BlockNotFound:
+                yield pb.GetChunk(key=key, found=False)
+                continue
+            self.s.record_reads([key], request.reader_node_id)
+            count_out("grpc", 1, total)
+            for i, data in enumerate(parts):
+                yield pb.GetChunk(key=key, found=True, total_nbytes=total, offset=i * chunk,
+                                  data=data)
+
+    # -- leases for same-node readers -------------------------------------------------------
+    def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseResponse:
+        try:
+            keys = _check_keys(request.keys)
+            ttl = request.ttl_s if request.ttl_s > 0 else self.s.default_lease_ttl_s
+            lease = self.pool.lease(keys, ttl)  # absent keys are left out of the lease
+        except (KVStoreError, ValueError) as exc:
+            _abort(context, exc)
+        lease_id = self.s.track_lease(lease)
+        got = {loc.key for loc in lease.locations}
+        self.s.record_reads([k for k in keys if k in got], request.reader_node_id)
+        return pb.LeaseResponse(
+            lease_id=lease_id,
+            locations=[pb.BlockLocation(key=loc.key, offset=loc.offset, nbytes=loc.nbytes)
+                       for loc in lease.locations],
+            missing=[k for k in keys if k not in got],
+            expires_at=time.time() + ttl,  # the pool's clock is monotonic: send wall time
+            shm_path=self.pool.path,
+        )
+
+    def RenewLease(self, request: pb.RenewLeaseRequest, context: grpc.ServicerContext
+                   ) -> pb.RenewLeaseResponse:
+        try:
+            ttl = request.ttl_s if request.ttl_s > 0 else self.s.default_lease_ttl_s
+            if not self.pool.renew(self.s.lease_of(request.lease_id), ttl):
+                raise LeaseExpired(f"lease {request.lease_id!r} ended before it was renewed")
+        except (KVStoreError, ValueError) as exc:
+            _abort(context, exc)
+        return pb.RenewLeaseResponse(expires_at=time.time() + ttl)
+
+    def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext
+                     ) -> pb.Empty:
+        lease_id = self.s.forget_lease(request.lease_id)
+        if lease_id is not None:
+            self.pool.release(lease_id)
+        return pb.Empty()
+
+    # -- admin ------------------------------------------------------------------------------
+    def Exists(self, request: pb.KeysRequest, context: grpc.ServicerContext) -> pb.ExistsResponse:
+        present, sizes = [], []
+        for key in request.keys:
+            held = self.pool.contains(key)
+            present.append(held)
+            sizes.append(self._nbytes(key) if held else 0)
+        return pb.ExistsResponse(present=present, nbytes=sizes)
+
+    def _nbytes(self, key: bytes) -> int:
+        try:
+            return int(self.pool.nbytes_of(key))
+        except BlockNotFound:
+            return 0
+
+    def Delete(self, request: pb.KeysRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
+        n = 0
+        for key in request.keys:
+            try:
+                if self.pool.delete(key) is not False:
+                    n += 1
+            except BlockNotFound:
+                continue
+            except KVStoreError as exc:
+                _abort(context, exc)
+            self.s.forget(key)
+        return pb.DeleteResponse(num_deleted=n)
+
+    def Evict(self, request: pb.KeysRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
+        keys = list(request.keys)
+        try:
+            freed = self.pool.evict(keys)
+        except KVStoreError as exc:
+            _abort(context, exc)
+        for key in keys:
+            if not self.pool.contains(key):
+                self.s.forget(key)
+        return pb.EvictResponse(bytes_freed=int(freed))
+
+    def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatsResponse:
+        st = self.pool.stats()
+
+        def field(*names: str) -> int:
+            for name in names:
+                if hasattr(st, name):
+                    return int(getattr(st, name))
+            return 0
+
+        return pb.StatsResponse(
+            node_id=self.s.node_id, capacity_bytes=field("capacity_bytes", "capacity"),
+            used_bytes=field("used_bytes", "used"), num_blocks=field("num_blocks"),
+            num_leased=field("num_leased", "num_leases"), num_pinned=field("num_pinned"),
+        )
+
+    def Health(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.HealthResponse:
+        grpc_addr, bulk_addr = self.s.addresses
+        return pb.HealthResponse(node_id=self.s.node_id, serving=True, grpc_address=grpc_addr,
+                                 bulk_address=bulk_addr or "", shm_path=self.pool.path)
+
+    def ListKeys(self, request: pb.ListKeysRequest, context: grpc.ServicerContext
+                 ) -> Iterator[pb.KeyPage]:
+        page_size = request.page_size or 1024
+        page: list[pb.KeyInfo] = []
+        for key in list(self.pool.keys()):
+            info = self.s.key_info(key)
+            if info is None:
+                continue
+            page.append(info)
+            if len(page) >= page_size:
+                yield pb.KeyPage(keys=page)
+                page = []
+        if page:
+            yield pb.KeyPage(keys=page)
+
+
+def _reject_reason(exc: BaseException) -> str:
+    if isinstance(exc, NamespaceMismatch):
+        return "namespace"
+    if isinstance(exc, BlockMismatch):
+        return "mismatch"
+    if isinstance(exc, BlockCorrupted):
+        return "corrupted"
+    if isinstance(exc, RequestTooLarge):
+        return "too_large"
+    if isinstance(exc, PoolFull):
+        return "pool_full"
+    return "malformed"
+
+
+def metrics_put(entries: list[IndexEntry]) -> None:
+    if entries:
+        count_in("grpc", len(entries), sum(e.nbytes for e in entries))
+
+
+class StoreServer:
+    """One store node: gRPC on ``config.port`` and the bulk byte channel on ``config.bulk_port``."""
+
+    def __init__(self, pool: Any, node_id: str, config: ServerConfig,
+                 on_publish: Callable[[list[IndexEntry]], None] | None = None,
+                 *, bulk: bool = True, default_lease_ttl_s: float = 30.0,
+                 on_read: Callable[[list[bytes], str], None] | None = None) -> None:
+        """``on_read(keys, reader_node_id)`` hears of every block served (Get, Lease, bulk),
+        with the reader's Ray node id ("" when the client did not say): LRU touches and
+        per-reader remote-read counts for hot-prefix replication come from it."""
+        self.pool = pool
+        self.node_id = node_id
+        self.config = config
+        self.on_publish = on_publish
+        self.on_read = on_read
+        self.default_lease_ttl_s = default_lease_ttl_s
+        # Headroom for the protobuf framing around one chunk of block bytes.
+        self.chunk_bytes = config.max_message_bytes - (64 << 10)
+        self.max_block_bytes = int(getattr(pool, "capacity_bytes", 0) or (1 << 62))
+        self._meta: dict[bytes, tuple[bytes, bytes]] = {}
+        self._leases: dict[str, tuple[Any, float]] = {}
+        self._lock = threading.Lock()
+        self._grpc: grpc.Server | None = None
+        self._bulk = BulkServer(pool, config, on_read=self.record_reads) if bulk else None
+        self._ports: tuple[int, int | None] = (0, None)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> tuple[int, int | None]:
+        """Bind and serve; returns ``(grpc_port, bulk_port)`` (bulk_port None if disabled)."""
+        cfg = self.config
+        interceptors = [AuthInterceptor(cfg.auth_token)] if cfg.auth_token else []
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=cfg.max_workers,
+                                       thread_name_prefix=f"kvstore-grpc-{self.node_id}"),
+            interceptors=interceptors, options=grpc_options(cfg.max_message_bytes),
+        )
+        pb_grpc.add_StoreNodeServicer_to_server(_Servicer(self), server)
+        bind = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert_file and cfg.tls_key_file:
+            with open(cfg.tls_key_file, "rb") as f:
+                key = f.read()
+            with open(cfg.tls_cert_file, "rb") as f:
+                cert = f.read()
+            port = server.add_secure_port(bind, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            port = server.add_insecure_port(bind)
+        if port == 0:
+            raise ConfigError(f"cannot bind the gRPC server to {bind}; pick a free server.port")
+        server.start()
+        self._grpc = server
+        bulk_port = self._bulk.start() if self._bulk is not None else None
+        self._ports = (port, bulk_port)
+        return self._ports
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Stop accepting calls, let running ones finish for ``grace`` seconds, close sockets."""
+        if self._bulk is not None:
+            self._bulk.stop()
+        if self._grpc is not None:
+            self._grpc.stop(grace).wait()
+            self._grpc = None
+
+    @property
+    def addresses(self) -> tuple[str, str | None]:
+        """``(grpc_address, bulk_address)`` as other nodes should dial them."""
+        host = self.config.advertise_host or self.config.host
+        grpc_port, bulk_port = self._ports
+        return f"{host}:{grpc_port}", (f"{host}:{bulk_port}" if bulk_port else None)
+
+    # -- bookkeeping used by the servicer ---------------------------------------------------
+    def record_reads(self, keys: list[bytes], reader_node_id: str) -> None:
+        """Blocks served to a reader on ``reader_node_id`` ("" unknown)."""
+        if keys and self.on_read is not None:
+            self.on_read(keys, reader_node_id)
+
+    def remember(self, key: bytes, parent_key: bytes, namespace_root: bytes) -> None:
+        with self._lock:
+            self._meta[key] = (parent_key, namespace_root)
+
+    def forget(self, key: bytes) -> None:
+        with self._lock:
+            self._meta.pop(key, None)
+
+    def key_info(self, key: bytes) -> pb.KeyInfo | None:
+        """What the index needs about a held block (header read once if not cached)."""
+        with self._lock:
+            meta = self._meta.get(key)
+        try:
+            if meta is None:
+                with self.pool.read(key) as view:
+                    header = read_header(view)
+                meta = (header.parent_key, header.namespace_root)
+                self.remember(key, *meta)
+            return pb.KeyInfo(key=key, nbytes=self.pool.nbytes_of(key), parent_key=meta[0],
+                              namespace_root=meta[1])
+        except (BlockNotFound, BlockCorrupted):
+            return None
+
+    def track_lease(self, lease: Any) -> str:
+        now = time.monotonic()  # the pool's lease clock
+        wire_id = str(lease.lease_id)
+        with self._lock:
+            for stale in [k for k, (_, exp) in self._leases.items() if exp < now - 60.0]:
+                del self._leases[stale]
+            self._leases[wire_id] = (lease.lease_id, lease.expires_at)
+        return wire_id
+
+    def lease_of(self, wire_id: str) -> Any:
+        with self._lock:
+            entry = self._leases.get(wire_id)
+        if entry is None:
+            raise LeaseExpired(f"lease {wire_id!r} is unknown or already released")
+        return entry[0]
+
+    def forget_lease(self, wire_id: str) -> Any:
+        with self._lock:
+            entry = self._leases.pop(wire_id, None)
+        return None if entry is None else entry[0]

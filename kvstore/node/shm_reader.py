@@ -1,0 +1,148 @@
+"""Same-node reads: map a pool's arena file read-only and copy leased blocks out of it.
+
+The protocol (wired by the server and client): ask the node for a ``Lease`` over the keys,
+``copy_verified_into`` each ``BlockLocation`` into memory the reader owns, then release the
+lease. The lease is what keeps the bytes from being reused while they are copied; the checksum
+is computed over the copy, so what enters the model is exactly what was verified.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from kvstore.block import BlockHeader, payload_offset, verify_block
+from kvstore.errors import BlockCorrupted
+from kvstore.keys import Namespace
+from kvstore.node.pool import BlockLocation
+
+# Copy and hash in pieces small enough to stay in L2, so the hash reads cache-hot bytes and
+# copy + verify costs little more than the copy alone. 512 KiB measured ~4% faster than 256 KiB
+# on the dev box (1 MiB L2 per core): fewer Python round trips per 2 MiB block.
+_CHUNK = 512 * 1024
+
+
+Buffer = memoryview | bytearray | torch.Tensor | np.ndarray
+
+
+def as_uint8_array(dst: Buffer) -> np.ndarray:
+    """A writable flat uint8 numpy view of a caller's buffer (no copy)."""
+    if isinstance(dst, torch.Tensor):
+        if dst.device.type != "cpu" or not dst.is_contiguous():
+            raise ValueError("destination tensor must be a contiguous CPU tensor")
+        return dst.reshape(-1).view(torch.uint8).numpy()
+    if isinstance(dst, np.ndarray):
+        if not dst.flags.c_contiguous or not dst.flags.writeable:
+            raise ValueError("destination array must be C-contiguous and writable")
+        return dst.reshape(-1).view(np.uint8)
+    view = memoryview(dst)
+    if view.readonly:
+        raise ValueError("destination buffer must be writable (a bytearray or writable view)")
+    if not view.c_contiguous:
+        raise ValueError("destination buffer must be contiguous")
+    return np.frombuffer(view.cast("B") if view.format != "B" or view.ndim != 1 else view,
+                         dtype=np.uint8)
+
+
+class ShmReader:
+    """A read-only mapping of another process's pool arena."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise FileNotFoundError(
+                f"cannot open pool arena {path!r}: {exc}; is the store node on this host running?"
+            ) from exc
+        try:
+            self.size = os.fstat(fd).st_size
+            if self.size == 0:
+                raise ValueError(f"pool arena {path!r} is empty; not a kvstore arena file")
+            self._mm = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.path = path
+        self._arr = np.frombuffer(self._mm, dtype=np.uint8)
+
+    def _src(self, location: BlockLocation) -> np.ndarray:
+        if location.offset < 0 or location.nbytes <= 0 or (
+            location.offset + location.nbytes > self.size
+        ):
+            raise ValueError(
+                f"block location [{location.offset}, +{location.nbytes}) lies outside the "
+                f"{self.size}-byte arena {self.path}: a stale lease or another node's file"
+            )
+        return self._arr[location.offset : location.offset + location.nbytes]
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """A read-only view of ``[offset, offset + nbytes)``: valid only under a lease on every
+        block in it (the bulk server sends from it: one copy into the socket, no sendfile)."""
+        return memoryview(self._src(BlockLocation(b"", offset, nbytes)))  # type: ignore[arg-type]
+
+    def copy_into(self, location: BlockLocation, dst: Buffer) -> int:
+        """Copy one block's bytes to the start of ``dst``; returns the bytes copied."""
+        src = self._src(location)
+        out = as_uint8_array(dst)
+        if out.size < src.size:
+            raise ValueError(f"destination of {out.size} bytes is too small for a "
+                             f"{src.size}-byte block")
+        np.copyto(out[: src.size], src)
+        return int(src.size)
+
+    def read(self, location: BlockLocation) -> bytearray:
+        """A copy of one block's bytes in a new buffer."""
+        buf = bytearray(location.nbytes)
+        self.copy_into(location, buf)
+        return buf
+
+    def copy_verified_into(
+        self,
+        location: BlockLocation,
+        dst: Buffer,
+        namespace: Namespace,
+        token_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+    ) -> BlockHeader:
+        """Copy a block into ``dst`` and verify the copy (header, tokens, xxh3) in one pass.
+
+        Raises BlockCorrupted / BlockMismatch / NamespaceMismatch like ``verify_block``.
+        """
+        src = self._src(location)
+        out = as_uint8_array(dst)
+        if out.size < src.size:
+            raise ValueError(f"destination of {out.size} bytes is too small for a "
+                             f"{src.size}-byte block")
+        start = payload_offset(namespace)
+        end = start + namespace.payload_nbytes
+        if src.size < end:
+            raise BlockCorrupted(f"block is truncated: {src.size} bytes, expected {end}")
+        np.copyto(out[:start], src[:start])
+        hasher = xxhash.xxh3_64()
+        for lo in range(start, end, _CHUNK):
+            hi = min(lo + _CHUNK, end)
+            np.copyto(out[lo:hi], src[lo:hi])
+            hasher.update(out[lo:hi].data)
+        if src.size > end:
+            np.copyto(out[end : src.size], src[end:])
+        header = verify_block(out[: src.size], namespace, location.key, token_ids,
+                              verify_checksum=False)
+        if hasher.digest() != header.checksum:
+            raise BlockCorrupted(f"block {location.key.hex()[:16]} payload checksum mismatch")
+        return header
+
+    def close(self) -> None:
+        """Unmap the arena (arrays handed out by ``copy_into`` are the caller's own memory)."""
+        if self._mm.closed:
+            return
+        self._arr = np.empty(0, dtype=np.uint8)  # drop our export so the map can close
+        self._mm.close()
+
+    def __enter__(self) -> ShmReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

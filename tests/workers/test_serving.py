@@ -1,0 +1,191 @@
+"""Router, replicas and the deployment: in-process first, then real Ray actors on the cluster."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.api import PrefixHit
+from kvstore.config import KVStoreConfig, WorkerConfig
+from kvstore.errors import ConfigError
+from kvstore.keys import BlockHasher
+from workers.engine import Engine, SamplingParams
+from workers.model import load_model
+from workers.router import ReplicaSlot, Router
+from workers.serving import Deployment
+
+SAMPLING = SamplingParams(max_new_tokens=5)
+
+
+def make_config() -> KVStoreConfig:
+    return KVStoreConfig(worker=WorkerConfig(model="tiny", block_size=16,
+                                             prefill_chunk_tokens=32))
+
+
+def make_prompt(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 512, (n,), generator=g).tolist()
+
+
+class FakeIndex:
+    """An index that reports fixed holders per block (the router only reads lookups)."""
+
+    node_id = "router"
+
+    def __init__(self, holders: list[list[str]]) -> None:
+        self.holders = holders
+
+    def lookup_prefix(self, namespace, keys):
+        n = min(len(keys), len(self.holders))
+        return PrefixHit(n, self.holders[:n])
+
+
+def make_router(holders, nodes) -> Router:
+    hasher = BlockHasher(load_model("tiny").namespace(16))
+    return Router(FakeIndex(holders), hasher, [ReplicaSlot(f"r{i}", n)
+                                               for i, n in enumerate(nodes)])
+
+
+def test_router_prefers_the_node_holding_the_prefix():
+    router = make_router([["b"], ["b", "a"], ["b"]], ["a", "b", "c"])
+    assert router.choose(make_prompt(64)) == 1
+
+
+def test_router_weighs_load_against_overlap():
+    router = make_router([["b"]] * 3, ["a", "b"])
+    router.replicas[1].in_flight = 1  # 3 blocks of overlap < 8 blocks per queued request
+    assert router.choose(make_prompt(64)) == 0
+    router.done(0)
+    router.replicas[1].in_flight = 0
+    assert router.choose(make_prompt(64)) == 1
+
+
+def test_router_spreads_equal_scores_round_robin():
+    router = make_router([], ["a", "a", "a"])
+    picks = []
+    for _ in range(3):
+        i = router.choose(make_prompt(20))
+        router.done(i)
+        picks.append(i)
+    assert sorted(picks) == [0, 1, 2]
+
+
+def test_inprocess_deployment_reuses_and_matches_no_cache():
+    dep = Deployment(make_config(), num_prefill=2, num_decode=2)
+    system = make_prompt(64, seed=1)
+    outs = [dep.generate(f"r{i}", system + make_prompt(20, seed=10 + i), SAMPLING,
+                         decode_replica=i) for i in range(3)]
+    assert [o.cached_tokens for o in outs] == [0, 64, 64]
+    assert {o.prefill_replica for o in outs} == {"prefill-0", "prefill-1"}
+    model = load_model("tiny")
+    for i, o in enumerate(outs):
+        _, ref = Engine(model, None, make_config().worker).generate(
+            system + make_prompt(20, seed=10 + i), sampling=SAMPLING)
+        assert o.output_token_ids == ref.output_token_ids
+    dep.close()
+
+
+def test_deployment_rejects_bad_settings():
+    with pytest.raises(ConfigError, match="replicas"):
+        Deployment(make_config(), num_prefill=0)
+    with pytest.raises(ConfigError, match="mode"):
+        Deployment(make_config(), mode="k8s")
+
+
+@pytest.fixture(scope="module")
+def ray_private():
+    """A private local Ray (address="local"): never another engineer's running cluster."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="kvstore",
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.ray
+def test_ray_actors_share_blocks_across_replicas(ray_private):
+    from kvstore.cluster import lifecycle
+
+    config = make_config()
+    dep = Deployment(config, num_prefill=2, num_decode=1, mode="ray")
+    try:
+        system = make_prompt(96, seed=2)
+        outs = [dep.generate(f"r{i}", system + make_prompt(9, seed=20 + i), SAMPLING)
+                for i in range(2)]
+        refs = [dep.generate(f"n{i}", system + make_prompt(9, seed=20 + i), SAMPLING,
+                             use_cache=False) for i in range(2)]
+    finally:
+        dep.close()
+        if not dep.started_cluster:
+            lifecycle.stop(config)
+    assert outs[0].cached_tokens == 0 and outs[1].cached_tokens == 96
+    assert outs[0].prefill_replica != outs[1].prefill_replica
+    assert outs[1].bytes_fetched > 0 and sum(outs[1].sources.values()) > 0
+    assert [o.output_token_ids for o in outs] == [r.output_token_ids for r in refs]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.ray
+def test_ray_job_submit_generate_on_a_local_head(tmp_path):
+    """``ray job submit --working-dir . -- kvstore generate``, against a private Ray head."""
+    import json
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import tempfile
+    import time
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    gcs, dash = _free_port(), _free_port()
+    # Short: Ray's unix socket paths under the temp dir must stay under 107 bytes.
+    ray_tmp = tempfile.mkdtemp(prefix="kvs-job-", dir="/tmp")
+    # Head and client must agree on auth; a private loopback head needs no token.
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
+    # --block keeps the head in one process group that this test owns and ends by id.
+    head = subprocess.Popen(
+        ["ray", "start", "--head", "--block", f"--port={gcs}", "--include-dashboard=true",
+         f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=2",
+         # Every agent port explicit: the defaults (52365, ...) may be held by another Ray
+         # instance on the machine (this session's own), and then no job agent ever registers.
+         f"--dashboard-agent-listen-port={_free_port()}",
+         f"--dashboard-agent-grpc-port={_free_port()}", f"--metrics-export-port={_free_port()}",
+         f"--runtime-env-agent-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
+         f"--temp-dir={ray_tmp}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+    try:
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text("".join(json.dumps({"id": f"q{i}", "token_ids": make_prompt(
+            80, seed=1)[:70] + [i] * 5}) + "\n" for i in range(2)))
+        # The head's job agent registers some seconds after the head (longer on a busy box).
+        deadline = time.monotonic() + 180
+        cmd = ["ray", "job", "submit", f"--address=http://127.0.0.1:{dash}",
+               f"--working-dir={repo}", "--", "kvstore", "generate", "--prompts", str(prompts),
+               "--model", "tiny", "--block-size", "16", "--chunk-tokens", "32",
+               "--max-new-tokens", "3", "--json"]
+        while True:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
+                                  env=env)
+            if proc.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(3)  # the job server comes up a little after the head
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        rows = [json.loads(line) for line in proc.stdout.splitlines()
+                if line.startswith('{"id"')]
+        assert [r["cached_tokens"] for r in rows] == [0, 64]
+        assert all(len(r["output_token_ids"]) == 3 for r in rows)
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
+        shutil.rmtree(ray_tmp, ignore_errors=True)

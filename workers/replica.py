@@ -1,0 +1,79 @@
+"""What prefill and decode workers share: a model, a store and an engine, in-process or on Ray.
+
+A worker is a plain class (``workers.prefill.PrefillWorker``, ``workers.decode.DecodeWorker``)
+that runs in-process as it is, or as a Ray actor through ``replica_actor``; the work itself is
+in ``workers.engine`` (docs/design.md §4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from kvstore.api import KVStore
+from kvstore.config import KVStoreConfig
+from kvstore.keys import Namespace
+from workers.engine import Engine
+from workers.model import load_model
+
+#: Builds the replica's store inside the replica's own process (stores do not pickle).
+StoreFactory = Callable[[], "KVStore | None"]
+
+
+def cluster_store_factory(config: KVStoreConfig) -> StoreFactory:
+    """A factory that connects to the running kvstore cluster from inside an actor."""
+
+    def factory() -> KVStore:
+        from kvstore.cluster.lifecycle import connect
+
+        return connect(config)
+
+    return factory
+
+
+class Replica:
+    """What prefill and decode replicas share: a model, a store and an engine."""
+
+    def __init__(self, config: KVStoreConfig, store_factory: StoreFactory | None,
+                 replica_id: str = "replica-0") -> None:
+        wc = config.worker
+        self.replica_id = replica_id
+        self.model = load_model(wc.model, seed=wc.seed, dtype=wc.dtype,
+                                num_threads=wc.num_threads)
+        self.store = store_factory() if store_factory is not None else None
+        self.engine = Engine(self.model, self.store, wc)
+
+    def node_id(self) -> str:
+        """Where this replica's store client lives (the router matches it with holders)."""
+        return self.store.node_id if self.store is not None else "none"
+
+    def namespace(self) -> Namespace:
+        """The namespace this replica reads and writes (the router hashes prompts in it)."""
+        return self.engine.namespace
+
+    def vocab_size(self) -> int:
+        return self.model.shape.vocab_size
+
+    def in_flight(self) -> int:
+        return self.engine.num_active
+
+    def cancel(self, request_id: str) -> None:
+        self.engine.cancel(request_id)
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+
+def replica_actor(cls: type[Replica], resources: dict[str, float] | None = None) -> Any:
+    """``cls`` as a Ray actor class, ready for ``.remote(config, store_factory, replica_id)``.
+
+    ``num_cpus=0``: replicas fix their own torch thread count, and Ray's CPU accounting would
+    otherwise refuse to place more replicas than cores on a laptop. Threaded
+    (``max_concurrency``) so a ``cancel`` reaches a running request. ``resources`` places it by
+    custom resource (the prefill/decode node types of the deploy files).
+    """
+    return ray.remote(cls).options(num_cpus=0, max_concurrency=4,  # type: ignore[call-overload]
+                                   resources=resources or {})
