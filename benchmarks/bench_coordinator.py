@@ -23,13 +23,12 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import median_of, parse_args, report
-from kvstore.api import NodeAddress
+from kvstore.api import NodeAddress, PoolStats
 from kvstore.config import CoordinatorConfig, KVStoreConfig
 from kvstore.coordinator.core import CoordinatorCore
 from kvstore.coordinator.lru import LRUTable
 from kvstore.index.base import Index, IndexEntry
 from kvstore.index.memory import InMemoryIndex
-from kvstore.node.pool import PoolStats
 
 BATCH = 1000
 PREFIX = 128  # blocks in the longest-prefix lookup (a 2k-token prompt at block_size 16)

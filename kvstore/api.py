@@ -9,19 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import numpy as np
 import torch
 
+from kvstore.errors import BlockCorrupted, BlockMismatch
 from kvstore.keys import Namespace
 
-#: Reasons a requested block did not come back. Metrics count misses by these.
-MISS_NOT_FOUND = "not_found"
-MISS_CORRUPTED = "corrupted"
-MISS_MISMATCH = "mismatch"
-MISS_NODE_UNAVAILABLE = "node_unavailable"
-MISS_LEASE_EXPIRED = "lease_expired"
+#: Why a requested block did not come back. Metrics count misses by these.
+MissReason = Literal["not_found", "corrupted", "mismatch", "node_unavailable", "lease_expired"]
+MISS_REASONS: tuple[MissReason, ...] = get_args(MissReason)
+MISS_NOT_FOUND: MissReason = "not_found"
+MISS_CORRUPTED: MissReason = "corrupted"
+MISS_MISMATCH: MissReason = "mismatch"
+MISS_NODE_UNAVAILABLE: MissReason = "node_unavailable"
+MISS_LEASE_EXPIRED: MissReason = "lease_expired"
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -50,8 +53,15 @@ class Miss:
     """A block that could not be used, and why (one of the ``MISS_*`` reasons)."""
 
     key: bytes
-    reason: str
+    reason: MissReason
     detail: str = ""
+
+    @classmethod
+    def rejected(cls, key: bytes, exc: BlockCorrupted | BlockMismatch, where: str = "") -> Miss:
+        """A block that failed verification: ``mismatch`` for any ``BlockMismatch`` (another
+        namespace included), else ``corrupted``; ``where`` (a node) prefixes the detail."""
+        reason = MISS_MISMATCH if isinstance(exc, BlockMismatch) else MISS_CORRUPTED
+        return cls(key, reason, f"{where}: {exc}" if where else str(exc))
 
 
 @dataclass(slots=True)
@@ -60,6 +70,20 @@ class PrefixHit:
 
     num_blocks: int
     holders: list[list[str]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PoolStats:
+    """A snapshot of a store node's pool: heartbeats carry it to the coordinator and metrics."""
+
+    capacity_bytes: int
+    used_bytes: int
+    num_blocks: int
+    num_pinned: int
+    num_leased: int
+    hits: int
+    misses: int
+    evictions: int
 
 
 @dataclass(slots=True)

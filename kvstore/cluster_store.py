@@ -22,9 +22,7 @@ import torch
 
 from kvstore import metrics
 from kvstore.api import (
-    MISS_CORRUPTED,
     MISS_LEASE_EXPIRED,
-    MISS_MISMATCH,
     MISS_NODE_UNAVAILABLE,
     MISS_NOT_FOUND,
     BlockPut,
@@ -203,12 +201,9 @@ class ClusterStore:
         for i, outcome in zip(idxs, got, strict=True):
             if outcome is None:
                 last_miss[i] = Miss(keys[i], MISS_NOT_FOUND, f"{node[:12]} no longer holds it")
-            elif isinstance(outcome, BlockCorrupted):
-                last_miss[i] = Miss(keys[i], MISS_CORRUPTED, f"{node[:12]}: {outcome}")
-                metrics.record_rejected(MISS_CORRUPTED)
-            elif isinstance(outcome, BlockMismatch):  # NamespaceMismatch included
-                last_miss[i] = Miss(keys[i], MISS_MISMATCH, f"{node[:12]}: {outcome}")
-                metrics.record_rejected(MISS_MISMATCH)
+            elif isinstance(outcome, (BlockCorrupted, BlockMismatch)):
+                miss = last_miss[i] = Miss.rejected(keys[i], outcome, node[:12])
+                metrics.record_rejected(miss.reason)
             else:
                 results[i] = node  # the FetchedBlock is made once the whole batch is in
 

@@ -17,7 +17,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import yaml
 
@@ -109,18 +109,23 @@ class ClientConfig:
         _check(self.bulk_pipeline_depth >= 1, "client.bulk_pipeline_depth must be >= 1")
 
 
+#: The index backends ``kvstore.index.factory`` can build.
+IndexBackend = Literal["memory", "redis"]
+
+
 @dataclass(slots=True)
 class IndexConfig:
     """The global index: ``memory`` (embedded default) or ``redis``."""
 
-    backend: str = "memory"
+    backend: IndexBackend = "memory"
     redis_url: str | None = None
     key_prefix: str = "kvstore:"
     redis_ca_file: str | None = None  # CA bundle for rediss:// (TLS) with a private CA
 
     def __post_init__(self) -> None:
-        _check(self.backend in ("memory", "redis"),
-               f"index.backend must be 'memory' or 'redis', got {self.backend!r}")
+        _check(self.backend in get_args(IndexBackend),
+               f"index.backend must be one of {list(get_args(IndexBackend))}, "
+               f"got {self.backend!r}")
         if self.backend == "redis":
             _check(bool(self.redis_url), "index.backend=redis needs index.redis_url "
                    "(redis://[:password@]host:port/db or rediss:// for TLS)")

@@ -10,8 +10,6 @@ import threading
 from collections.abc import Sequence
 
 from kvstore.api import (
-    MISS_CORRUPTED,
-    MISS_MISMATCH,
     MISS_NOT_FOUND,
     BlockPut,
     FetchedBlock,
@@ -55,11 +53,8 @@ class LocalStore:
                 continue
             try:
                 view = decode_block(raw, namespace, key, tokens)
-            except BlockCorrupted as exc:
-                results.append(Miss(key, MISS_CORRUPTED, str(exc)))
-                continue
-            except BlockMismatch as exc:
-                results.append(Miss(key, MISS_MISMATCH, str(exc)))
+            except (BlockCorrupted, BlockMismatch) as exc:
+                results.append(Miss.rejected(key, exc))
                 continue
             results.append(FetchedBlock(key, view.clone(), self.node_id))
         return results

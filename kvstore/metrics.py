@@ -12,19 +12,10 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from kvstore.api import (
-    MISS_CORRUPTED,
-    MISS_LEASE_EXPIRED,
-    MISS_MISMATCH,
-    MISS_NODE_UNAVAILABLE,
-    MISS_NOT_FOUND,
-)
-from kvstore.node.pool import PoolStats
+from kvstore.api import MISS_CORRUPTED, MISS_MISMATCH, MISS_REASONS, MissReason, PoolStats
 
 #: How block bytes moved: gRPC messages, the bulk byte channel, or same-node shared memory.
 PATHS = ("grpc", "bulk", "shm")
-MISS_REASONS = (MISS_NOT_FOUND, MISS_CORRUPTED, MISS_MISMATCH, MISS_NODE_UNAVAILABLE,
-                MISS_LEASE_EXPIRED)
 #: Why a block was refused on the way in or out (reads reject with the MISS_* verdicts).
 REJECT_REASONS = (MISS_CORRUPTED, MISS_MISMATCH, "namespace", "too_large", "malformed",
                   "pool_full", "unauthenticated")
@@ -110,7 +101,7 @@ def record_hits(num_blocks: int = 1) -> None:
     HITS.inc(num_blocks)
 
 
-def record_miss(reason: str, num_blocks: int = 1) -> None:
+def record_miss(reason: MissReason, num_blocks: int = 1) -> None:
     """Count misses by one of the ``kvstore.api.MISS_*`` reasons."""
     MISSES.labels(reason=_check(reason, MISS_REASONS, "miss reason")).inc(num_blocks)
 

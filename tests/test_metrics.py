@@ -8,8 +8,7 @@ import urllib.request
 import pytest
 
 from kvstore import metrics
-from kvstore.api import MISS_CORRUPTED, MISS_NOT_FOUND
-from kvstore.node.pool import PoolStats
+from kvstore.api import MISS_CORRUPTED, MISS_NOT_FOUND, PoolStats
 
 
 def value(name: str, **labels: str) -> float:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from kvstore.api import TokenIds
 from kvstore.config import KVStoreConfig
@@ -26,7 +26,9 @@ from workers.prefill import PrefillWorker
 from workers.replica import cluster_store_factory, replica_actor
 from workers.router import ReplicaSlot, Router
 
-MODES = ("ray", "inprocess")
+#: ``inprocess``: replicas in this process over one LocalStore; ``ray``: replicas as actors.
+DeploymentMode = Literal["ray", "inprocess"]
+MODES: tuple[DeploymentMode, ...] = get_args(DeploymentMode)
 
 
 @dataclass(slots=True)
@@ -61,7 +63,7 @@ class Deployment:
     """``num_prefill`` prefill and ``num_decode`` decode replicas behind a router."""
 
     def __init__(self, config: KVStoreConfig, *, num_prefill: int = 1, num_decode: int = 1,
-                 mode: str = "inprocess", address: str | None = None,
+                 mode: DeploymentMode = "inprocess", address: str | None = None,
                  own_ray: bool = False, prefill_resources: dict[str, float] | None = None,
                  decode_resources: dict[str, float] | None = None) -> None:
         if mode not in MODES:

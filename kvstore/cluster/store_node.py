@@ -24,7 +24,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from kvstore.api import NodeAddress
+from kvstore.api import NodeAddress, PoolStats
 from kvstore.block import BlockHeader, verify_block_self
 from kvstore.cluster.names import arena_glob, arena_name, coordinator_handle
 from kvstore.config import ClientConfig, KVStoreConfig, ServerConfig
@@ -32,7 +32,7 @@ from kvstore.errors import BlockCorrupted, BlockMismatch, KVStoreError, NodeUnav
 from kvstore.index.base import IndexEntry
 from kvstore.index.factory import make_index
 from kvstore.node.client import StoreNodeClient
-from kvstore.node.pool import BlockPool, PoolStats
+from kvstore.node.pool import BlockPool
 from kvstore.node.server import StoreServer
 
 log = logging.getLogger(__name__)

@@ -11,13 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.api import NodeAddress, PrefixHit
+from kvstore.api import NodeAddress, PoolStats, PrefixHit
 from kvstore.config import KVStoreConfig
 from kvstore.coordinator.core import CoordinatorCore
 from kvstore.coordinator.liveness import NodeStatus, Reaper
 from kvstore.coordinator.messages import HeartbeatReply
 from kvstore.index.base import IndexEntry
-from kvstore.node.pool import PoolStats
 
 
 class Coordinator:

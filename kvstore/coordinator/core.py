@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore import metrics as prom
-from kvstore.api import NodeAddress, PrefixHit
+from kvstore.api import NodeAddress, PoolStats, PrefixHit
 from kvstore.config import KVStoreConfig
 from kvstore.coordinator.liveness import NodeState, NodeStatus, NodeTable
 from kvstore.coordinator.lru import PIN_HARD, PIN_NONE, PIN_SOFT, LRUTable
@@ -37,7 +37,6 @@ from kvstore.coordinator.pins import PinTable
 from kvstore.coordinator.table_index import TableIndex
 from kvstore.index.base import Index, IndexEntry, check_keys, check_node_id
 from kvstore.index.factory import make_index
-from kvstore.node.pool import PoolStats
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +71,7 @@ class CoordinatorCore:
             self.lru = LRUTable()
             self._lock = threading.RLock()
         self._reload()
-        set_marker = getattr(self.index, "set_marker", None)
-        if set_marker is not None:
-            set_marker(self.epoch)
+        self.index.set_marker(self.epoch)
 
     def _ensure(self, node_id: str, now: float) -> NodeState:
         """The node's state; in embedded mode its slot is its bit in the index."""
@@ -113,11 +110,8 @@ class CoordinatorCore:
     def check_index(self) -> bool:
         """Bump the epoch when a persistent index lost its data (its epoch marker is gone), so
         every live node re-announces what it holds; True if it did. Runs on the reaper tick."""
-        claim = getattr(self.index, "claim_marker", None)
-        if claim is None:  # embedded or in-memory index: it cannot be lost without us
-            return False
         candidate = max(time.time_ns() // 1_000, self.epoch + 1)
-        if not claim(candidate):  # the marker is there: the index still has its data
+        if not self.index.claim_marker(candidate):  # marker there, or an in-process index
             return False
         with self._lock:
             self.epoch = candidate

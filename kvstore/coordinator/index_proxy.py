@@ -13,10 +13,10 @@ from typing import Any
 import ray
 
 from kvstore.api import PrefixHit
-from kvstore.index.base import IndexEntry, KeyInfo, check_keys
+from kvstore.index.base import IndexEntry, InProcessMarker, KeyInfo, check_keys
 
 
-class CoordinatorIndex:
+class CoordinatorIndex(InProcessMarker):
     """``kvstore.index.base.Index`` answered by the coordinator actor behind ``handle``."""
 
     def __init__(self, handle: Any) -> None:

@@ -25,7 +25,14 @@ from kvstore.api import PrefixHit
 from kvstore.constants import KEY_NBYTES
 from kvstore.coordinator.lru import MAX_NODES, LRUTable
 from kvstore.errors import KVStoreError
-from kvstore.index.base import IndexEntry, KeyInfo, check_entries, check_keys, check_node_id
+from kvstore.index.base import (
+    IndexEntry,
+    InProcessMarker,
+    KeyInfo,
+    check_entries,
+    check_keys,
+    check_node_id,
+)
 
 #: distinct holder masks whose sorted node-id tuple is cached (one per replica set in use)
 _MAX_CACHED_MASKS = 4096
@@ -45,7 +52,7 @@ def _check_types(keys: Sequence[bytes]) -> None:
         check_keys(keys)  # raises the precise TypeError
 
 
-class TableIndex:
+class TableIndex(InProcessMarker):
     """``kvstore.index.base.Index`` over one ``LRUTable``: every block stored once, compactly."""
 
     def __init__(self, table: LRUTable | None = None) -> None:

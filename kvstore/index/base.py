@@ -101,9 +101,33 @@ class Index(Protocol):
         """Forget everything."""
         ...
 
+    def set_marker(self, epoch: int) -> None:
+        """Record the coordinator's epoch, so that a later ``claim_marker`` can tell whether the
+        index lost its data (a Redis restarted empty) while the coordinator kept running."""
+        ...
+
+    def claim_marker(self, epoch: int) -> bool:
+        """Write ``epoch`` as the marker if none is there; True means the data was lost."""
+        ...
+
     def close(self) -> None:
         """Release connections; the index is unusable afterwards."""
         ...
+
+
+class InProcessMarker:
+    """The epoch marker of an index that lives and dies with its owner's process.
+
+    Nothing can wipe such an index behind the coordinator's back, so there is no marker to keep
+    and it is never found missing.
+    """
+
+    def set_marker(self, epoch: int) -> None:
+        """Nothing to record."""
+
+    def claim_marker(self, epoch: int) -> bool:
+        """Never lost."""
+        return False
 
 
 def check_entries(entries: Sequence[IndexEntry]) -> None:

@@ -12,7 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.api import PrefixHit
-from kvstore.index.base import IndexEntry, KeyInfo, check_entries, check_keys, check_node_id
+from kvstore.index.base import (
+    IndexEntry,
+    InProcessMarker,
+    KeyInfo,
+    check_entries,
+    check_keys,
+    check_node_id,
+)
 
 
 @dataclass(slots=True)
@@ -23,7 +30,7 @@ class _Meta:
     last_use: float
 
 
-class InMemoryIndex:
+class InMemoryIndex(InProcessMarker):
     """The embedded index: plain dicts behind one lock (every call is short and in memory)."""
 
     def __init__(self) -> None:

@@ -46,6 +46,7 @@ from kvstore.errors import (
     RequestTooLarge,
     Unauthenticated,
 )
+from kvstore.node.pool import ServedPool
 from kvstore.node.shm_reader import ShmReader
 
 MAGIC = b"KVB1"
@@ -136,7 +137,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 class BulkServer:
     """Serves leased blocks of one pool to remote readers, one thread per connection."""
 
-    def __init__(self, pool: Any, config: ServerConfig,
+    def __init__(self, pool: ServedPool, config: ServerConfig,
                  on_read: Callable[[list[bytes], str], None] | None = None) -> None:
         """``on_read(keys, reader_node_id)`` hears of every served batch (see StoreServer)."""
         self.pool = pool

@@ -24,52 +24,19 @@ from kvstore.config import ClientConfig
 from kvstore.errors import (
     BlockCorrupted,
     BlockMismatch,
-    BlockNotFound,
-    ConfigError,
-    InvalidRequest,
     KVStoreError,
     LeaseExpired,
-    NamespaceMismatch,
     NodeUnavailable,
-    PoolFull,
-    RequestCancelled,
-    RequestTooLarge,
-    Unauthenticated,
 )
 from kvstore.keys import Namespace
 from kvstore.node.bulk import BulkClient, count_in
 from kvstore.node.pool import BlockLocation
-from kvstore.node.wire import AUTH_HEADER, grpc_options, spec_from_namespace
+from kvstore.node.wire import AUTH_HEADER, error_from_rpc, grpc_options, spec_from_namespace
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 Buffer = bytearray | memoryview | Any  # anything ShmReader / recv_into can write into
-
-_BY_NAME: dict[str, type[KVStoreError]] = {
-    cls.__name__: cls
-    for cls in (BlockCorrupted, BlockMismatch, NamespaceMismatch, BlockNotFound, ConfigError,
-                PoolFull, RequestTooLarge, LeaseExpired, Unauthenticated)
-}
-_BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
-    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: RequestTooLarge,
-    grpc.StatusCode.NOT_FOUND: BlockNotFound,
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-    grpc.StatusCode.FAILED_PRECONDITION: LeaseExpired,
-    grpc.StatusCode.DEADLINE_EXCEEDED: RequestCancelled,
-    grpc.StatusCode.CANCELLED: RequestCancelled,
-}
-
-
-def error_from_rpc(exc: grpc.RpcError, address: str) -> KVStoreError:
-    """The kvstore error a failed call stands for (the server sends ``ClassName: message``)."""
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-    details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
-    name = details.split(":", 1)[0]
-    cls = _BY_NAME.get(name) or _BY_CODE.get(code, NodeUnavailable)
-    return cls(f"{address}: {code.name}: {details}")
-
 
 @dataclass(slots=True)
 class LeaseInfo:

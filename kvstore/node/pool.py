@@ -16,27 +16,16 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
+from kvstore.api import PoolStats
 from kvstore.constants import align_up
 from kvstore.errors import BlockNotFound, KVStoreError, PoolFull
 from kvstore.node.arena import Arena, ExtentAllocator
-
-
-@dataclass(slots=True)
-class PoolStats:
-    """A snapshot of a pool's occupancy and counters."""
-
-    capacity_bytes: int
-    used_bytes: int
-    num_blocks: int
-    num_pinned: int
-    num_leased: int
-    hits: int
-    misses: int
-    evictions: int
 
 
 @dataclass(slots=True)
@@ -89,6 +78,31 @@ class _Counters:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+
+
+class ServedPool(Protocol):
+    """What a store node's server and bulk channel need of a pool.
+
+    ``BlockPool`` is one; the cluster's store node serves a wrapper that asks the coordinator
+    for room when a reserve finds the pool full, which the server need not know about.
+    """
+
+    path: str
+    capacity_bytes: int
+
+    def reserve(self, key: bytes, nbytes: int) -> Reservation: ...
+    def commit(self, reservation: Reservation) -> bool: ...
+    def abort(self, reservation: Reservation) -> None: ...
+    def contains(self, key: bytes) -> bool: ...
+    def nbytes_of(self, key: bytes) -> int | None: ...
+    def read(self, key: bytes) -> AbstractContextManager[memoryview]: ...
+    def lease(self, keys: Sequence[bytes], ttl_s: float) -> Lease: ...
+    def renew(self, lease_id: int, ttl_s: float) -> bool: ...
+    def release(self, lease_id: int) -> None: ...
+    def delete(self, key: bytes) -> bool: ...
+    def evict(self, keys: Sequence[bytes]) -> int: ...
+    def keys(self) -> list[bytes]: ...
+    def stats(self) -> PoolStats: ...
 
 
 class BlockPool:

@@ -1,10 +1,11 @@
 """A store node's gRPC server: streamed put/get, leases for same-node readers, admin calls.
 
-The only place where ``kvstore.errors`` become gRPC status codes. Put is two-phase per block
-(reserve arena space -> copy the chunks in -> verify header and checksum -> commit), and the
-Put call returns only after ``on_publish`` made the keys visible in the index, so a reader that
-asks after ``put`` returned finds them. Remote bulk reads go through ``kvstore.node.bulk``
-instead of ``Get`` when the client has its address (see that module for why).
+Errors leave as gRPC status codes here (the table is in ``kvstore.node.wire``). Put is two-phase
+per block (reserve arena space -> copy the chunks in -> verify header and checksum -> commit),
+and the Put call returns only after ``on_publish`` made the keys visible in the index, so a
+reader that asks after ``put`` returned finds them. Remote bulk reads go through
+``kvstore.node.bulk`` instead of ``Get`` when the client has its address (see that module for
+why).
 """
 
 from __future__ import annotations
@@ -31,40 +32,14 @@ from kvstore.errors import (
     NamespaceMismatch,
     PoolFull,
     RequestTooLarge,
-    Unauthenticated,
 )
 from kvstore.index.base import IndexEntry
 from kvstore.keys import Namespace
 from kvstore.node.bulk import BulkServer, count_in, count_out
-from kvstore.node.wire import (  # noqa: F401  (re-exported: the server module was their home)
-    AUTH_HEADER,
-    AuthInterceptor,
-    grpc_options,
-    namespace_from_spec,
-    spec_from_namespace,
-)
+from kvstore.node.pool import ServedPool
+from kvstore.node.wire import AuthInterceptor, grpc_options, namespace_from_spec, status_for
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
-
-_STATUS: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (PoolFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (RequestTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (BlockNotFound, grpc.StatusCode.NOT_FOUND),
-    (LeaseExpired, grpc.StatusCode.FAILED_PRECONDITION),
-    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
-    (BlockCorrupted, grpc.StatusCode.INVALID_ARGUMENT),
-    (BlockMismatch, grpc.StatusCode.INVALID_ARGUMENT),
-    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-]
-
-
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    """The gRPC status code a kvstore error travels as."""
-    for cls, code in _STATUS:
-        if isinstance(exc, cls):
-            return code
-    return grpc.StatusCode.INTERNAL
 
 
 def _abort(context: grpc.ServicerContext, exc: BaseException) -> None:
@@ -248,10 +223,7 @@ class _Servicer(pb_grpc.StoreNodeServicer):
         return pb.ExistsResponse(present=present, nbytes=sizes)
 
     def _nbytes(self, key: bytes) -> int:
-        try:
-            return int(self.pool.nbytes_of(key))
-        except BlockNotFound:
-            return 0
+        return self.pool.nbytes_of(key) or 0  # evicted since contains(): 0, as if absent
 
     def Delete(self, request: pb.KeysRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
         n = 0
@@ -335,7 +307,7 @@ def metrics_put(entries: list[IndexEntry]) -> None:
 class StoreServer:
     """One store node: gRPC on ``config.port`` and the bulk byte channel on ``config.bulk_port``."""
 
-    def __init__(self, pool: Any, node_id: str, config: ServerConfig,
+    def __init__(self, pool: ServedPool, node_id: str, config: ServerConfig,
                  on_publish: Callable[[list[IndexEntry]], None] | None = None,
                  *, bulk: bool = True, default_lease_ttl_s: float = 30.0,
                  on_read: Callable[[list[bytes], str], None] | None = None) -> None:
@@ -350,7 +322,7 @@ class StoreServer:
         self.default_lease_ttl_s = default_lease_ttl_s
         # Headroom for the protobuf framing around one chunk of block bytes.
         self.chunk_bytes = config.max_message_bytes - (64 << 10)
-        self.max_block_bytes = int(getattr(pool, "capacity_bytes", 0) or (1 << 62))
+        self.max_block_bytes = int(pool.capacity_bytes or (1 << 62))
         self._meta: dict[bytes, tuple[bytes, bytes]] = {}
         self._leases: dict[str, tuple[Any, float]] = {}
         self._lock = threading.Lock()
@@ -425,10 +397,12 @@ class StoreServer:
                     header = read_header(view)
                 meta = (header.parent_key, header.namespace_root)
                 self.remember(key, *meta)
-            return pb.KeyInfo(key=key, nbytes=self.pool.nbytes_of(key), parent_key=meta[0],
-                              namespace_root=meta[1])
+            nbytes = self.pool.nbytes_of(key)
         except (BlockNotFound, BlockCorrupted):
             return None
+        if nbytes is None:  # evicted since it was read
+            return None
+        return pb.KeyInfo(key=key, nbytes=nbytes, parent_key=meta[0], namespace_root=meta[1])
 
     def track_lease(self, lease: Any) -> str:
         now = time.monotonic()  # the pool's lease clock

@@ -1,6 +1,9 @@
-"""What both ends of a store node's gRPC channel agree on: auth metadata, size limits, and
-the wire form of a namespace. Kept apart from ``kvstore.node.server`` so a client never imports the
-server.
+"""What both ends of a store node's gRPC channel agree on: auth metadata, size limits, the
+wire form of a namespace, and how each ``kvstore.errors`` class travels as a status code.
+
+Kept apart from ``kvstore.node.server`` so a client never imports the server, and so the two
+directions of the error table sit side by side: the server sends ``ClassName: message`` with the
+code of ``status_for``; the client rebuilds the class from the name, else from the code.
 """
 
 from __future__ import annotations
@@ -11,10 +14,72 @@ from typing import Any
 
 import grpc
 
+from kvstore.errors import (
+    BlockCorrupted,
+    BlockMismatch,
+    BlockNotFound,
+    ConfigError,
+    InvalidRequest,
+    KVStoreError,
+    LeaseExpired,
+    NamespaceMismatch,
+    NodeUnavailable,
+    PoolFull,
+    RequestCancelled,
+    RequestTooLarge,
+    Unauthenticated,
+)
 from kvstore.keys import Namespace
 from protos import kvstore_pb2 as pb
 
 AUTH_HEADER = "authorization"
+
+#: Server side: the status code each error travels as (first match wins: subclasses first).
+_STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (PoolFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (RequestTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (BlockNotFound, grpc.StatusCode.NOT_FOUND),
+    (LeaseExpired, grpc.StatusCode.FAILED_PRECONDITION),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (BlockCorrupted, grpc.StatusCode.INVALID_ARGUMENT),
+    (BlockMismatch, grpc.StatusCode.INVALID_ARGUMENT),
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+]
+#: Client side: errors rebuilt by the class name the server put in front of the message.
+_ERROR_BY_NAME: dict[str, type[KVStoreError]] = {
+    cls.__name__: cls
+    for cls in (BlockCorrupted, BlockMismatch, NamespaceMismatch, BlockNotFound, ConfigError,
+                PoolFull, RequestTooLarge, LeaseExpired, Unauthenticated)
+}
+#: Client side: the error a status code stands for when the message names no known class
+#: (gRPC's own failures: deadlines, cancellations, a peer that is not a store node).
+_ERROR_BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: RequestTooLarge,
+    grpc.StatusCode.NOT_FOUND: BlockNotFound,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.FAILED_PRECONDITION: LeaseExpired,
+    grpc.StatusCode.DEADLINE_EXCEEDED: RequestCancelled,
+    grpc.StatusCode.CANCELLED: RequestCancelled,
+}
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The gRPC status code a kvstore error travels as (INTERNAL for anything unexpected)."""
+    for cls, code in _STATUS_OF:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def error_from_rpc(exc: grpc.RpcError, address: str) -> KVStoreError:
+    """The kvstore error a failed call stands for (the server sends ``ClassName: message``)."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
+    name = details.split(":", 1)[0]
+    cls = _ERROR_BY_NAME.get(name) or _ERROR_BY_CODE.get(code, NodeUnavailable)
+    return cls(f"{address}: {code.name}: {details}")
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:

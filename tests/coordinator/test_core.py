@@ -17,13 +17,12 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvstore.api import NodeAddress
+from kvstore.api import NodeAddress, PoolStats
 from kvstore.config import CoordinatorConfig, KVStoreConfig
 from kvstore.coordinator.core import CoordinatorCore
 from kvstore.coordinator.table_index import TableIndex
 from kvstore.index.base import Index, IndexEntry
 from kvstore.index.memory import InMemoryIndex
-from kvstore.node.pool import PoolStats
 from tests.support.redis_server import RedisProcess
 
 ROOT = hashlib.sha256(b"ns-a").digest()

@@ -21,7 +21,8 @@ from kvstore.index.memory import InMemoryIndex
 from kvstore.keys import BlockHasher, Namespace
 from kvstore.node.bulk import MAGIC, BulkClient
 from kvstore.node.pool import BlockPool
-from kvstore.node.server import AUTH_HEADER, StoreServer, grpc_options, spec_from_namespace
+from kvstore.node.server import StoreServer
+from kvstore.node.wire import AUTH_HEADER, grpc_options, spec_from_namespace
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 

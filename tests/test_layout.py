@@ -1,0 +1,181 @@
+"""The package layout is the architecture: layers import only downwards, and nothing circles.
+
+Read from the source with ``ast`` (function-level imports included, since a lazy import is still
+a dependency), so the test needs nothing importable and fails on the first upward arrow or
+circle with the modules that form it. docs/design.md §2 explains the layers.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("kvstore", "workers")
+
+#: Rank of each layer, lowest first: a module may import its own layer or lower ones.
+#: Within one layer, only modules of the same package (or the ground) import each other.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("ground", ("kvstore.errors", "kvstore.constants", "kvstore.config", "kvstore.keys",
+                "kvstore.block", "kvstore.ops", "kvstore.api", "kvstore.metrics")),
+    ("index", ("kvstore.index",)),
+    ("node", ("kvstore.node",)),
+    ("coordinator", ("kvstore.coordinator",)),
+    ("stores", ("kvstore.local", "kvstore.cluster_store")),
+    ("cluster", ("kvstore.cluster",)),
+    ("workers", ("workers",)),
+    ("cli", ("kvstore.cli",)),
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
+    """The project modules ``path`` imports, anywhere in the file."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # ``from pkg import mod`` names a module; ``from mod import name`` names the module
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known
+                     else node.module for a in node.names]
+        else:
+            continue
+        out.update(n for n in names if n.split(".")[0] in PACKAGES)
+    return out
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    for rank, (name, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank, name
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS in {__file__}")
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else parts[0]
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    known = all_modules()
+    return {m: imports_of(p, known) for m, p in known.items()}
+
+
+def test_every_project_import_names_a_module_that_exists(graph):
+    known = set(graph)
+    missing = sorted((m, dep) for m, deps in graph.items() for dep in deps if dep not in known
+                     and dep not in PACKAGES)
+    assert not missing, f"imports of modules that do not exist: {missing}"
+
+
+def test_every_module_has_a_layer(graph):
+    for module in graph:
+        if module not in PACKAGES:
+            layer_of(module)
+
+
+def test_no_module_imports_upward_or_sideways(graph):
+    bad = []
+    for module, deps in graph.items():
+        if module in PACKAGES:
+            continue
+        rank, name = layer_of(module)
+        for dep in deps:
+            if dep in PACKAGES:
+                if module != "kvstore.cli":
+                    bad.append(f"{module} imports the package {dep} itself")
+                continue
+            dep_rank, dep_name = layer_of(dep)
+            sideways = (dep_rank == rank and name != "ground"
+                        and package_of(dep) != package_of(module))
+            if dep_rank > rank or sideways:
+                bad.append(f"{module} ({name}) imports {dep} ({dep_name})")
+    assert not bad, "imports against the layering:\n" + "\n".join(sorted(bad))
+
+
+def test_the_import_graph_has_no_circles(graph):
+    """Tarjan's strongly connected components: any component of two or more is a circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_the_layering_check_catches_an_upward_import(graph):
+    """The check itself can fail: a node module importing the cluster wiring is refused."""
+    graph = {**graph, "kvstore.node.pool": graph["kvstore.node.pool"] | {"kvstore.cluster.names"}}
+    with pytest.raises(AssertionError, match="kvstore.node.pool"):
+        test_no_module_imports_upward_or_sideways(graph)
+
+
+def test_the_circle_check_catches_a_circle(graph):
+    graph = {**graph, "kvstore.errors": graph["kvstore.errors"] | {"kvstore.block"}}
+    with pytest.raises(AssertionError, match="kvstore.block"):
+        test_the_import_graph_has_no_circles(graph)
+
+
+def test_public_api_at_the_package_top_loads_lazily():
+    """``from kvstore import ...`` gives the documented names; ``import kvstore`` alone stays
+    light (an operator command must not pay for Ray or torch it does not use)."""
+    code = (
+        "import sys, kvstore\n"
+        "assert 'ray' not in sys.modules and 'torch' not in sys.modules, 'heavy import'\n"
+        "from kvstore import (BlockHasher, ClusterStore, KVStore, KVStoreConfig, LocalStore,\n"
+        "                     Namespace, connect, load_config, start, stop)\n"
+        "assert connect.__module__ == 'kvstore.cluster.lifecycle'\n"
+        "assert sorted(kvstore.__all__) == sorted(kvstore._EXPORTS)\n"
+        "ns = Namespace('m', 'float32', 4, 1, 1, 8)\n"
+        "assert len(BlockHasher(ns).block_keys(list(range(8)))) == 2\n"
+        "try:\n"
+        "    kvstore.no_such_name\n"
+        "except AttributeError as exc:\n"
+        "    assert 'no_such_name' in str(exc)\n"
+        "else:\n"
+        "    raise SystemExit('unknown names must raise AttributeError')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
