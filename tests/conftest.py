@@ -1,6 +1,6 @@
 """Shared fixtures: a private redis-server per session and an index on every backend.
 
-Integration fixtures start the real thing (design.md §2). Without ``redis-server`` the Redis
+Integration fixtures start the real thing (docs/design.md §2). Without ``redis-server`` the Redis
 tests skip, unless ``KVSTORE_REQUIRE_REDIS=1`` (CI), where a missing server is a failure.
 """
 

@@ -1,4 +1,4 @@
-"""The block codec (design.md §3.2): bitwise round trips, and every damage is caught on read."""
+"""The block codec (docs/design.md §3.2): bitwise round trips; every damage is caught on read."""
 
 from __future__ import annotations
 

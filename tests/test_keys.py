@@ -1,4 +1,4 @@
-"""Namespaces and chained block keys (design.md §3.1): deterministic, chained, namespaced."""
+"""Namespaces and chained block keys (docs/design.md §3.1): deterministic, chained, namespaced."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""kv_cache_scatter and paged_cache_load against the plain reference loops of design.md §3.3."""
+"""kv_cache_scatter and paged_cache_load against the plain reference loops (docs/design.md §3.3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The prefill/decode engine: exact KV reuse over any ``KVStore`` (design.md §4).
+"""The prefill/decode engine: exact KV reuse over any ``KVStore`` (docs/design.md §4).
 
 Exact reuse rests on one rule: the prompt is computed in canonical chunks of
 ``prefill_chunk_tokens`` counted from token 0, each on top of the KV of everything before it.

@@ -35,7 +35,8 @@ from kvstore.coordinator.lru import PIN_HARD, PIN_NONE, PIN_SOFT, LRUTable
 from kvstore.coordinator.messages import HeartbeatReply, ReplicateOrder, node_json
 from kvstore.coordinator.pins import PinTable
 from kvstore.coordinator.table_index import TableIndex
-from kvstore.index.base import Index, IndexEntry, check_keys, check_node_id
+from kvstore.index.base import Index, IndexEntry
+from kvstore.index.checks import check_keys, check_node_id
 from kvstore.index.factory import make_index
 
 log = logging.getLogger(__name__)

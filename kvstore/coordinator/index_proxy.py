@@ -13,7 +13,8 @@ from typing import Any
 import ray
 
 from kvstore.api import PrefixHit
-from kvstore.index.base import IndexEntry, InProcessMarker, KeyInfo, check_keys
+from kvstore.index.base import IndexEntry, InProcessMarker, KeyInfo
+from kvstore.index.checks import check_keys
 
 
 class CoordinatorIndex(InProcessMarker):

@@ -25,14 +25,8 @@ from kvstore.api import PrefixHit
 from kvstore.constants import KEY_NBYTES
 from kvstore.coordinator.lru import MAX_NODES, LRUTable
 from kvstore.errors import KVStoreError
-from kvstore.index.base import (
-    IndexEntry,
-    InProcessMarker,
-    KeyInfo,
-    check_entries,
-    check_keys,
-    check_node_id,
-)
+from kvstore.index.base import IndexEntry, InProcessMarker, KeyInfo
+from kvstore.index.checks import check_entries, check_keys, check_node_id
 
 #: distinct holder masks whose sorted node-id tuple is cached (one per replica set in use)
 _MAX_CACHED_MASKS = 4096

@@ -128,29 +128,3 @@ class InProcessMarker:
     def claim_marker(self, epoch: int) -> bool:
         """Never lost."""
         return False
-
-
-def check_entries(entries: Sequence[IndexEntry]) -> None:
-    """Reject malformed entries before anything is written, so a bad batch changes nothing."""
-    for e in entries:
-        if not isinstance(e, IndexEntry):
-            raise TypeError(f"publish takes IndexEntry objects, got {type(e).__name__}")
-        check_keys([e.key, e.parent_key, e.namespace_root])
-        check_node_id(e.node_id)
-        if not isinstance(e.nbytes, int) or e.nbytes < 0:
-            raise ValueError(f"IndexEntry.nbytes must be an int >= 0, got {e.nbytes!r}")
-
-
-def check_keys(keys: Sequence[bytes]) -> None:
-    """Keys are non-empty bytes; a str here is a caller bug that would silently never match."""
-    if isinstance(keys, (bytes, str)):
-        raise TypeError("pass a sequence of keys, not a single key")
-    for k in keys:
-        if not isinstance(k, bytes) or not k:
-            raise TypeError(f"index keys must be non-empty bytes, got {k!r:.80}")
-
-
-def check_node_id(node_id: str) -> None:
-    """Node ids are non-empty str."""
-    if not isinstance(node_id, str) or not node_id:
-        raise ValueError(f"node_id must be a non-empty str, got {node_id!r}")

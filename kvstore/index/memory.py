@@ -12,14 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvstore.api import PrefixHit
-from kvstore.index.base import (
-    IndexEntry,
-    InProcessMarker,
-    KeyInfo,
-    check_entries,
-    check_keys,
-    check_node_id,
-)
+from kvstore.index.base import IndexEntry, InProcessMarker, KeyInfo
+from kvstore.index.checks import check_entries, check_keys, check_node_id
 
 
 @dataclass(slots=True)

@@ -32,7 +32,8 @@ from redis.retry import Retry
 
 from kvstore.api import PrefixHit
 from kvstore.errors import ConfigError, KVStoreError, NodeUnavailable, Unauthenticated
-from kvstore.index.base import IndexEntry, KeyInfo, check_entries, check_keys, check_node_id
+from kvstore.index.base import IndexEntry, KeyInfo
+from kvstore.index.checks import check_entries, check_keys, check_node_id
 
 #: Entries per script call: bounds how long one call can block Redis for everyone else.
 _CHUNK = 2000

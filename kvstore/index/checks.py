@@ -1,0 +1,37 @@
+"""Argument checks every index backend runs before it touches anything.
+
+A malformed batch is refused whole, before the first write, so a bad caller never leaves an
+index half-updated; and a ``str`` where bytes belong raises instead of silently never matching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstore.index.base import IndexEntry
+
+
+def check_entries(entries: Sequence[IndexEntry]) -> None:
+    """Reject malformed entries before anything is written, so a bad batch changes nothing."""
+    for e in entries:
+        if not isinstance(e, IndexEntry):
+            raise TypeError(f"publish takes IndexEntry objects, got {type(e).__name__}")
+        check_keys([e.key, e.parent_key, e.namespace_root])
+        check_node_id(e.node_id)
+        if not isinstance(e.nbytes, int) or e.nbytes < 0:
+            raise ValueError(f"IndexEntry.nbytes must be an int >= 0, got {e.nbytes!r}")
+
+
+def check_keys(keys: Sequence[bytes]) -> None:
+    """Keys are non-empty bytes; a str here is a caller bug that would silently never match."""
+    if isinstance(keys, (bytes, str)):
+        raise TypeError("pass a sequence of keys, not a single key")
+    for k in keys:
+        if not isinstance(k, bytes) or not k:
+            raise TypeError(f"index keys must be non-empty bytes, got {k!r:.80}")
+
+
+def check_node_id(node_id: str) -> None:
+    """Node ids are non-empty str."""
+    if not isinstance(node_id, str) or not node_id:
+        raise ValueError(f"node_id must be a non-empty str, got {node_id!r}")
