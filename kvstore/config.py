@@ -153,6 +153,12 @@ class CoordinatorConfig:
                "coordinator.node_timeout_s must exceed heartbeat_interval_s > 0")
 
 
+#: How a worker reuses cached blocks (``workers.reuse``): ``exact`` (bitwise equal to
+#: ``--no-cache``, at block granularity where the probe allows), ``block`` (any block boundary,
+#: approximate where the probe fails), ``chunk`` (whole chunks only: the previous policy).
+ReuseMode = Literal["exact", "block", "chunk"]
+
+
 @dataclass(slots=True)
 class WorkerConfig:
     """Model and engine settings of prefill/decode workers."""
@@ -162,6 +168,7 @@ class WorkerConfig:
     dtype: str = "float32"
     block_size: int = 16
     prefill_chunk_tokens: int = 256
+    reuse: ReuseMode = "exact"
     num_threads: int = 1
     cache_salt: str = ""
     max_new_tokens: int = 16
@@ -175,6 +182,8 @@ class WorkerConfig:
                f"worker.prefill_chunk_tokens ({self.prefill_chunk_tokens}) must be a positive "
                f"multiple of worker.block_size ({self.block_size})")
         _check(self.num_threads >= 1, "worker.num_threads must be >= 1")
+        _check(self.reuse in get_args(ReuseMode),
+               f"worker.reuse must be one of {list(get_args(ReuseMode))}, got {self.reuse!r}")
 
 
 @dataclass(slots=True)

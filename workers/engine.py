@@ -1,22 +1,21 @@
 """The prefill/decode engine: exact KV reuse over any ``KVStore`` (docs/design.md §4).
 
-Exact reuse rests on one rule: the prompt is computed in canonical chunks of
-``prefill_chunk_tokens`` counted from token 0, each on top of the KV of everything before it.
+Exact reuse rests on one rule: every token's KV has the numerics of the canonical computation,
+the prompt in chunks of ``prefill_chunk_tokens`` counted from token 0, each chunk's rows
+attending over the keys up to the chunk's end. A prompt's last, partial chunk gets those
+numerics by padding (its keys to the chunk's end, or dummy rows where the backend needs them:
+``workers.reuse``), so every full block of every prompt is canonical and is published:
 
-    tokens  |--- chunk 0 ---|--- chunk 1 ---|--- chunk 2 ---|-- tail --|
-    blocks  |b0 |b1 |b2 |b3 |b4 |b5 |b6 |b7 |b8 |b9 |b10|b11|b12|      |
-            <--------- published (whole chunks) ---------->  private
+    tokens  |--- chunk 0 ---|--- chunk 1 ---|--- chunk 2 ---|-- chunk 3 (partial) --|
+    blocks  |b0 |b1 |b2 |b3 |b4 |b5 |b6 |b7 |b8 |b9 |b10|b11|b12|b13|  tail   (padded)
+            <---------------- published: every full block ----------->  private
 
-* Only blocks of whole chunks are published. A block computed inside a partial (last) chunk
-  went through different matmul shapes than the same block inside a whole chunk, and blocks
-  are immutable, first writer wins: publishing it could hand non-canonical KV to a later
-  request. The tail (the last, partial chunk) travels to decode privately (``TailKV``).
-* A hit is used up to the last chunk boundary it covers, so the model always resumes at a
-  chunk boundary with exactly the KV a cold run would have there.
-
-Hence a cached run and a ``use_cache=False`` run do the same arithmetic in the same order and
-their logits and tokens are bitwise equal. A Miss (rejected block, holder gone) only moves the
-resume point back to the chunk boundary before it: never a failure, never wrong KV.
+A hit is used up to the last block it covers where the backend's rows are invariant to how many
+run together (the probe checks it), else up to the last chunk boundary; the model resumes there
+with exactly the KV a cold run has. Hence a cached run and a ``use_cache=False`` run do the same
+arithmetic and their logits and tokens are bitwise equal. A Miss (rejected block, holder gone)
+only moves the resume point back: never a failure, never wrong KV. The tail (the last, partial
+block) travels to decode privately (``TailKV``).
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from kvstore.errors import ConfigError, KVStoreError, RequestCancelled
 from kvstore.keys import BlockHasher
 from workers.model import CausalLM
 from workers.paged_kv import gather_blocks, scatter_blocks
+from workers.reuse import ReusePolicy, choose_policy
 
 
 @dataclass(slots=True)
@@ -56,7 +56,7 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class TailKV:
-    """KV of the prompt's last, partial chunk: handed from prefill to decode, never published."""
+    """KV of the prompt past its last published block: handed from prefill to decode privately."""
 
     start: int
     kv: torch.Tensor  # [L, 2, T, H, D]
@@ -80,6 +80,9 @@ class PrefillResult:
     misses: list[str] = field(default_factory=list)
     tail: TailKV | None = None
     logits: torch.Tensor | None = None
+    #: Prompt tokens in cached blocks that could not be reused (cut at a chunk boundary, the
+    #: block holding the last token, a failed fetch): what finer reuse would still save.
+    unreused_shared_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -105,12 +108,25 @@ class DecodeResult:
 
 @dataclass(slots=True)
 class _Fetch:
-    """Leading blocks fetched from the store, cut at a chunk boundary."""
+    """The leading run of blocks fetched from the store, and where each came from."""
 
-    payloads: list[torch.Tensor]
-    sources: dict[str, int]
-    bytes_fetched: int
-    misses: list[str]
+    payloads: list[torch.Tensor] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
+    bytes_fetched: int = 0
+    misses: list[str] = field(default_factory=list)
+
+    def keep(self, num_blocks: int) -> None:
+        """Use only the first ``num_blocks`` (the rest cannot be resumed from)."""
+        del self.payloads[num_blocks:]
+        del self.nodes[num_blocks:]
+
+    @property
+    def sources(self) -> dict[str, int]:
+        """Blocks used per node."""
+        out: dict[str, int] = {}
+        for node in self.nodes:
+            out[node] = out.get(node, 0) + 1
+        return out
 
 
 def pick_token(logits: torch.Tensor, sampling: SamplingParams, step: int) -> int:
@@ -134,7 +150,11 @@ class Engine:
         self.config = config
         self.block_size = config.block_size
         self.chunk_tokens = config.prefill_chunk_tokens
-        self.namespace = model.namespace(config.block_size, config.cache_salt)
+        self.policy: ReusePolicy = choose_policy(config.reuse, model, config.block_size,
+                                                 config.prefill_chunk_tokens)
+        # KV of an approximate policy must never reach a worker that promises bitwise reuse.
+        salt = config.cache_salt if self.policy.exact else f"{config.cache_salt}\x00reuse=block"
+        self.namespace = model.namespace(config.block_size, salt)
         self.hasher = BlockHasher(self.namespace)
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
@@ -190,9 +210,19 @@ class Engine:
     def _block_tokens(self, tokens: list[int], i: int) -> list[int]:
         return tokens[i * self.block_size:(i + 1) * self.block_size]
 
+    @property
+    def resume_unit(self) -> int:
+        """Tokens between the points a request may resume from (a block, or a whole chunk)."""
+        return self.block_size if self.policy.resume == "block" else self.chunk_tokens
+
+    def publish_end(self, num_tokens: int) -> int:
+        """Where the published blocks of a prompt of ``num_tokens`` end."""
+        unit = self.block_size if self.policy.publish == "block" else self.chunk_tokens
+        return num_tokens // unit * unit
+
     def _fetch(self, tokens: list[int], keys: Sequence[bytes], num_blocks: int) -> _Fetch:
-        """Fetch the first ``num_blocks`` blocks; keep the leading run, cut at a chunk boundary."""
-        fetch = _Fetch([], {}, 0, [])
+        """Fetch the first ``num_blocks`` blocks; keep the leading run of good ones."""
+        fetch = _Fetch()
         if num_blocks == 0 or self.store is None:
             return fetch
         try:
@@ -207,14 +237,14 @@ class Engine:
                 fetch.misses.append(r.reason)
                 break
             fetch.payloads.append(r.payload)
+            fetch.nodes.append(r.node_id)
             fetch.bytes_fetched += r.payload.numel() * r.payload.element_size()
-        blocks_per_chunk = self.chunk_tokens // self.block_size
-        usable = len(fetch.payloads) // blocks_per_chunk * blocks_per_chunk
-        del fetch.payloads[usable:]
-        for r in results[:usable]:
-            assert isinstance(r, FetchedBlock)
-            fetch.sources[r.node_id] = fetch.sources.get(r.node_id, 0) + 1
         return fetch
+
+    def _resumable(self, num_blocks: int) -> int:
+        """How many of ``num_blocks`` leading blocks a computation may resume after."""
+        unit = self.resume_unit // self.block_size
+        return num_blocks // unit * unit
 
     def _lookup(self, keys: Sequence[bytes]) -> int:
         assert self.store is not None
@@ -225,11 +255,29 @@ class Engine:
 
     def _run_chunks(self, tokens: list[int], start: int, cache: DynamicCache,
                     request_id: str, deadline: float) -> torch.Tensor | None:
-        """Canonical chunks from ``start`` (a chunk boundary) to the end of ``tokens``."""
+        """Tokens ``[start, n)`` on top of ``cache``, chunk by chunk, with each chunk's numerics.
+
+        ``start`` is a resume point of the policy (a block or a chunk boundary); the first piece
+        runs to the end of its chunk, the last one is padded as the policy says.
+        """
         logits = None
-        for pos in range(start, len(tokens), self.chunk_tokens):
+        pos, n = start, len(tokens)
+        while pos < n:
             self._check(request_id, deadline)
-            logits = self.model.forward(tokens[pos:pos + self.chunk_tokens], cache)
+            chunk_end = (pos // self.chunk_tokens + 1) * self.chunk_tokens
+            end = min(chunk_end, n)
+            padding, rows = self.policy.padding, end - pos
+            if padding == "keys":  # and dummy rows up to the floor where the probe found one
+                logits = self.model.forward(tokens[pos:end], cache, pad_keys_to=chunk_end,
+                                            pad_rows_to=max(rows, self.policy.min_rows))
+            elif padding == "rows":
+                logits = self.model.forward(tokens[pos:end], cache, pad_keys_to=chunk_end,
+                                            pad_rows_to=chunk_end - pos)
+            elif end == chunk_end:  # the chunk-only policy: whole chunks as every policy runs
+                logits = self.model.forward(tokens[pos:end], cache, pad_keys_to=chunk_end)
+            else:  # ... and its partial last chunk as it is (never published)
+                logits = self.model.forward(tokens[pos:end], cache)
+            pos = end
         return logits
 
     def _continue(self, cache: DynamicCache, first_token: int, sampling: SamplingParams,
@@ -252,13 +300,14 @@ class Engine:
                  use_cache: bool, deadline: float) -> tuple[PrefillResult, DynamicCache]:
         t0 = time.perf_counter()
         tokens = self._tokens(token_ids)
-        n, bs, chunk = len(tokens), self.block_size, self.chunk_tokens
+        n, bs = len(tokens), self.block_size
         keys = self.hasher.block_keys(tokens)
         use_store = use_cache and self.store is not None
         hit = self._lookup(keys) if use_store else 0
-        # The last chunk always runs (its logits give the first token), so never resume at n.
-        max_resume = (n - 1) // chunk * chunk
+        # The last token always runs (its logits give the first token), so never resume at n.
+        max_resume = (n - 1) // self.resume_unit * self.resume_unit
         fetch = self._fetch(tokens, keys, min(hit, max_resume // bs))
+        fetch.keep(self._resumable(len(fetch.payloads)))
         t_fetch = time.perf_counter()
         resume = len(fetch.payloads) * bs
         if fetch.payloads:
@@ -271,7 +320,7 @@ class Engine:
         assert logits is not None
         first = pick_token(logits, sampling, 0)
         ttft = time.perf_counter() - t0
-        published_end = n // chunk * chunk
+        published_end = self.publish_end(n)
         num_new = 0
         if use_store and self.store is not None:
             # Blocks already cached past the resume point are skipped, unless a fetch failed:
@@ -300,7 +349,8 @@ class Engine:
             sources=fetch.sources, bytes_fetched=fetch.bytes_fetched, ttft_s=ttft,
             timings={"fetch_s": t_fetch - t0, "compute_s": ttft - (t_fetch - t0),
                      "publish_s": t_end - t0 - ttft},
-            misses=fetch.misses, tail=tail, logits=logits)
+            misses=fetch.misses, tail=tail, logits=logits,
+            unreused_shared_tokens=max(0, hit * bs - resume))
         return result, cache
 
     def prefill(self, token_ids: TokenIds, *, request_id: str = "prefill",
@@ -333,10 +383,14 @@ class Engine:
         try:
             t0 = time.perf_counter()
             tokens = self._tokens(token_ids)
-            n, bs, chunk = len(tokens), self.block_size, self.chunk_tokens
-            whole = n // chunk * chunk if first_token is not None else (n - 1) // chunk * chunk
+            n, bs = len(tokens), self.block_size
+            # What the prefill published; without a prefill in front the last token must run.
+            whole = self.publish_end(n) if first_token is not None else \
+                min(self.publish_end(n), (n - 1) // self.resume_unit * self.resume_unit)
             keys = self.hasher.block_keys(tokens[:whole])
             fetch = self._fetch(tokens, keys, len(keys) if use_cache else 0)
+            if not (tail is not None and len(fetch.payloads) * bs == whole == tail.start):
+                fetch.keep(self._resumable(len(fetch.payloads)))  # something must run
             resume = len(fetch.payloads) * bs
             keys_kv: list[torch.Tensor] = []
             values_kv: list[torch.Tensor] = []

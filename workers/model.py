@@ -5,10 +5,12 @@ downloaded), fingerprints config + weights bytes for the namespace, and exposes 
 things the engine needs: run a chunk on top of a cache, build a cache from given K/V, and
 export K/V in the block layout ``[L, 2, bs, H, D]``.
 
-Reproducibility: the thread count is fixed and the attention implementation is ``eager``.
-Eager attention is two plain matmuls and a softmax on every machine; ``sdpa`` picks among
-fused kernels by shape, mask and CPU features, so two hosts (or two torch builds) may reduce in
-different orders. Bitwise reuse needs the arithmetic pinned, and eager pins more of it.
+Reproducibility: the thread count is fixed and the attention implementation is ``eager`` by
+default. Eager attention is two plain matmuls and a softmax on every machine; ``sdpa`` picks
+among fused kernels by shape, mask and CPU features, so two hosts (or two torch builds) may
+reduce in different orders. Bitwise reuse needs the arithmetic pinned, and eager pins more of
+it. Either runs as its padded version (``workers.attention``), so a chunk's rows can attend
+over keys padded to the chunk's end.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaF
 
 from kvstore.errors import ConfigError
 from kvstore.keys import DTYPES, Namespace
+from workers.attention import padded_implementation
 
 ATTN_IMPLEMENTATION = "eager"
 
@@ -75,13 +78,16 @@ class ModelShape:
 class CausalLM:
     """A loaded causal LM with its fingerprint; runs chunks on a ``DynamicCache``."""
 
-    def __init__(self, model: torch.nn.Module, dtype: str, name: str) -> None:
+    def __init__(self, model: torch.nn.Module, dtype: str, name: str,
+                 attn_implementation: str = ATTN_IMPLEMENTATION) -> None:
         # transformers' own typing of models and configs is loose; Any keeps mypy honest here.
         self.model: Any = model.eval()
-        self.config: Any = model.config
+        cfg: Any = model.config
+        cfg._attn_implementation = padded_implementation(attn_implementation)
+        self.config: Any = cfg
+        self.attn_implementation = attn_implementation
         self.dtype = dtype
         self.name = name
-        cfg: Any = self.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.shape = ModelShape(cfg.num_hidden_layers,
                                 cfg.num_key_value_heads or cfg.num_attention_heads,
@@ -111,11 +117,26 @@ class CausalLM:
         return DynamicCache(ddp_cache_data=data, config=self.config)
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[int], cache: DynamicCache) -> torch.Tensor:
-        """Run ``token_ids`` on top of ``cache`` (which grows); the last position's logits."""
-        input_ids = torch.tensor([token_ids], dtype=torch.long)
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True,
-                         logits_to_keep=1)
+    def forward(self, token_ids: list[int], cache: DynamicCache, *,
+                pad_keys_to: int | None = None, pad_rows_to: int | None = None) -> torch.Tensor:
+        """Run ``token_ids`` on top of ``cache`` (which grows by them); the last one's logits.
+
+        ``pad_keys_to``: every row attends over keys padded to this length (the chunk's end).
+        ``pad_rows_to``: dummy tokens are appended up to this many rows, run, and dropped from
+        the cache again; causality keeps them out of every real row, so the real rows get the
+        shapes of a whole chunk on any backend (at the cost of computing the dummy rows).
+        """
+        ids = [int(t) for t in token_ids]
+        num_real = len(ids)
+        keep: int | torch.Tensor = 1
+        if pad_rows_to is not None and pad_rows_to > num_real:
+            ids += [0] * (pad_rows_to - num_real)
+            keep = torch.tensor([num_real - 1])
+        extra = {} if pad_keys_to is None else {"kv_pad_to": pad_keys_to}
+        out = self.model(input_ids=torch.tensor([ids], dtype=torch.long), past_key_values=cache,
+                         use_cache=True, logits_to_keep=keep, **extra)
+        if len(ids) > num_real:
+            cache.crop(num_real - len(ids))
         return out.logits[0, -1].float()
 
     @staticmethod
@@ -141,8 +162,7 @@ class CausalLM:
 
 
 def _random_model(preset: str, seed: int, dtype: torch.dtype) -> torch.nn.Module:
-    config = LlamaConfig(**PRESETS[preset],
-                         attn_implementation=ATTN_IMPLEMENTATION)  # type: ignore[call-arg]
+    config = LlamaConfig(**PRESETS[preset])
     # A forked RNG: loading a model must not disturb the caller's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -151,11 +171,14 @@ def _random_model(preset: str, seed: int, dtype: torch.dtype) -> torch.nn.Module
 
 
 def load_model(spec: str, *, seed: int = 0, dtype: str = "float32",
-               num_threads: int | None = 1) -> CausalLM:
+               num_threads: int | None = 1,
+               attn_implementation: str = ATTN_IMPLEMENTATION) -> CausalLM:
     """A preset name (``tiny``, ``small``: random weights from ``seed``) or a weights directory.
 
     ``num_threads`` fixes torch's intra-op thread count for this process (None leaves it).
+    ``attn_implementation``: ``eager`` (default) or ``sdpa``.
     """
+    padded_implementation(attn_implementation)  # refuse an unknown one before loading
     if dtype not in DTYPES or dtype == "int8":
         raise ConfigError(f"model dtype {dtype!r} is not supported; use float32, float16 or "
                           "bfloat16")
@@ -165,14 +188,14 @@ def load_model(spec: str, *, seed: int = 0, dtype: str = "float32",
         torch.set_num_threads(num_threads)
     torch_dtype = DTYPES[dtype]
     if spec in PRESETS:
-        return CausalLM(_random_model(spec, seed, torch_dtype), dtype, spec)
+        return CausalLM(_random_model(spec, seed, torch_dtype), dtype, spec, attn_implementation)
     if not os.path.isdir(spec):
         raise ConfigError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a "
                           "local weights directory (with config.json and *.safetensors)")
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            spec, dtype=torch_dtype, attn_implementation=ATTN_IMPLEMENTATION,
-            local_files_only=True)
+            spec, dtype=torch_dtype, attn_implementation=padded_implementation(
+                attn_implementation), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load model from {spec!r}: {exc}") from exc
-    return CausalLM(model, dtype, os.path.basename(os.path.normpath(spec)))
+    return CausalLM(model, dtype, os.path.basename(os.path.normpath(spec)), attn_implementation)

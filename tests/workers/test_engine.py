@@ -1,8 +1,10 @@
 """Exact reuse: cached runs are bitwise equal to uncached runs; all against references.
 
-Block size 16 and chunk 32 on the tiny preset, in-process on LocalStore (full verification).
-The uncached reference is the same engine with no store; the independent reference is a plain
-transformers forward over the whole sequence with no cache at all.
+Block size 16 and chunk 32 on the tiny preset, in-process on LocalStore (full verification),
+with the default policy (``reuse: exact``; on this CPU the probe finds rows invariant, so hits
+are used to the last block). The uncached reference is the same engine with no store; the
+independent reference is a plain transformers forward over the whole sequence with no cache.
+The other policies are tested in ``tests/workers/test_reuse.py``.
 """
 
 from __future__ import annotations
@@ -89,38 +91,43 @@ def test_cold_then_warm_equals_uncached(model, n):
     pre, dec = disaggregated(engine, Engine(model, store, make_config()), make_prompt(n))
     assert pre.cached_tokens == 0
     assert_same(model, make_prompt(n), pre, dec)
-    # Blocks of whole chunks only are published; the partial last chunk stays private.
-    assert len(store.blocks) == n // CHUNK * CHUNK // BS
-    # Warm: same prompt again, hit up to the last chunk boundary strictly before the end.
+    # Every full block is published, the partial last chunk's included.
+    assert len(store.blocks) == n // BS
+    # Warm: same prompt again, hit up to the last block boundary strictly before the end.
     pre2, dec2 = disaggregated(engine, engine, make_prompt(n))
-    assert pre2.cached_tokens == (n - 1) // CHUNK * CHUNK
+    assert pre2.cached_tokens == (n - 1) // BS * BS
+    assert pre2.unreused_shared_tokens == n // BS * BS - (n - 1) // BS * BS
     assert_same(model, make_prompt(n), pre2, dec2)
-    assert dec2.recomputed_tokens == 0 and dec2.fetched_tokens == n // CHUNK * CHUNK
+    assert dec2.recomputed_tokens == 0 and dec2.fetched_tokens == n // BS * BS
 
 
 @pytest.mark.parametrize("shared", [16, 40, 64, 75])
-def test_partial_hit_is_cut_at_a_chunk_boundary(model, shared):
+def test_partial_hit_is_used_to_the_last_shared_block(model, shared):
     store = LocalStore()
     engine = Engine(model, store, make_config())
     base = make_prompt(100, seed=1)
     engine.prefill(base)
     prompt = base[:shared] + make_prompt(50, seed=2)
     pre, dec = disaggregated(engine, engine, prompt, tail=False)
-    assert pre.cached_tokens == shared // CHUNK * CHUNK
+    assert pre.cached_tokens == shared // BS * BS and pre.unreused_shared_tokens == 0
     assert_same(model, prompt, pre, dec)
 
 
-def test_fetched_kv_is_bitwise_what_prefill_computed(model):
+@pytest.mark.parametrize("n", [96, 100, 75])
+def test_published_kv_is_bitwise_the_canonical_whole_chunks(model, n):
+    """Every published block, those of a partial last chunk too, equals the same block computed
+    inside whole chunks of a longer prompt: the reference is the plain chunk loop."""
     store = LocalStore()
     engine = Engine(model, store, make_config())
-    prompt = make_prompt(96)
-    pre = engine.prefill(prompt)
+    longer = make_prompt(128)
+    pre = engine.prefill(longer[:n])
     cache = model.new_cache()
-    for pos in range(0, 96, CHUNK):
-        model.forward(prompt[pos:pos + CHUNK], cache)
-    expected = model.export_blocks(cache, 0, 6, BS)
+    for pos in range(0, 128, CHUNK):
+        model.forward(longer[pos:pos + CHUNK], cache, pad_keys_to=pos + CHUNK)
+    expected = model.export_blocks(cache, 0, n // BS, BS)
     got = store.batch_get(engine.namespace, pre.block_keys,
-                          [prompt[i * BS:(i + 1) * BS] for i in range(6)])
+                          [longer[i * BS:(i + 1) * BS] for i in range(n // BS)])
+    assert len(got) == n // BS
     assert all(isinstance(r, FetchedBlock) and torch.equal(r.payload, e)
                for r, e in zip(got, expected, strict=True))
 
@@ -154,10 +161,11 @@ def test_corrupted_block_in_the_middle_is_recomputed(model):
     engine = Engine(model, store, make_config())
     prompt = make_prompt(110, seed=3)
     first = engine.prefill(prompt)
-    store.corrupt(first.block_keys[3])  # chunk 1 holds blocks 2 and 3
+    store.corrupt(first.block_keys[3])
     pre, dec = disaggregated(engine, engine, prompt, tail=False)
-    assert pre.cached_tokens == CHUNK and "corrupted" in pre.misses
-    assert dec.fetched_tokens == CHUNK and "corrupted" in dec.misses
+    assert pre.cached_tokens == 3 * BS and "corrupted" in pre.misses
+    assert pre.unreused_shared_tokens == (110 // BS - 3) * BS
+    assert dec.fetched_tokens == 3 * BS and "corrupted" in dec.misses
     assert_same(model, prompt, pre, dec)
 
 
@@ -192,8 +200,8 @@ def test_a_second_replica_hits_the_first_ones_blocks(model):
     prompt = make_prompt(90, seed=5)
     first.prefill(prompt)
     pre, dec = disaggregated(second, second, prompt)
-    assert pre.cached_tokens == 64 and pre.sources == {"node-a": 4}
-    assert pre.bytes_fetched == 4 * second.namespace.payload_nbytes
+    assert pre.cached_tokens == 80 and pre.sources == {"node-a": 5}
+    assert pre.bytes_fetched == 5 * second.namespace.payload_nbytes
     assert_same(model, prompt, pre, dec)
 
 
@@ -206,7 +214,7 @@ def test_decode_survives_a_holder_dying_mid_fetch(model, fail_from):
     dying = Engine(model, HolderGone(store, fail_from), make_config())
     dec = dying.decode(prompt, pre.first_token, tail=pre.tail, sampling=SAMPLING,
                        return_logits=True)
-    assert dec.fetched_tokens == fail_from // 2 * CHUNK
+    assert dec.fetched_tokens == fail_from * BS
     assert MISS_NODE_UNAVAILABLE in dec.misses
     assert_same(model, prompt, pre, dec)
 
@@ -270,7 +278,7 @@ def test_decode_without_a_prefill_computes_the_first_token(model):
     prompt = make_prompt(96, seed=13)
     Engine(model, store, make_config()).prefill(prompt)
     dec = Engine(model, store, make_config()).decode(prompt, None, sampling=SAMPLING)
-    assert dec.fetched_tokens == 64 and dec.recomputed_tokens == 32
+    assert dec.fetched_tokens == 80 and dec.recomputed_tokens == 16
     assert dec.output_token_ids == reference(model, prompt)[2]
 
 

@@ -1,0 +1,194 @@
+"""Block-granular reuse: every policy against the same engine with the store bypassed.
+
+Random prompt pairs share 16-2048 tokens at random cut points; in the default ``exact`` policy
+the second prompt must reuse every shared full block (up to the block holding its last token)
+and give bitwise the logits and tokens of ``--no-cache``, on the tiny and small presets and on
+a checkpoint saved in transformers' own format. The probe's verdicts are forced both ways, and
+shown able to fail on a model whose small-row results differ.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvstore.config import WorkerConfig
+from kvstore.local import LocalStore
+from workers import reuse
+from workers.engine import Engine, SamplingParams
+from workers.model import load_model
+
+SAMPLING = SamplingParams(max_new_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny", seed=0)
+
+
+def make_config(**kw) -> WorkerConfig:
+    return WorkerConfig(**{"model": "tiny", **kw})
+
+
+def make_prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def check_pair(model, config: WorkerConfig, first: list[int], second: list[int]):
+    """Prefill ``first``, then run ``second`` cached and uncached; both must agree bitwise."""
+    store = LocalStore()
+    engine = Engine(model, store, config)
+    engine.prefill(first)
+    pre, dec = engine.generate(second, sampling=SAMPLING, return_logits=True)
+    ref_pre, ref_dec = Engine(model, None, config).generate(second, sampling=SAMPLING,
+                                                           return_logits=True)
+    assert torch.equal(pre.logits, ref_pre.logits)
+    assert dec.output_token_ids == ref_dec.output_token_ids
+    assert all(torch.equal(a, b) for a, b in zip(dec.logits, ref_dec.logits, strict=True))
+    return engine, pre
+
+
+def shared_pair(n_shared: int, n_first: int, n_second: int, seed: int, vocab: int = 512):
+    common = make_prompt(n_shared, seed, vocab)
+    return (common + make_prompt(n_first, seed + 1, vocab),
+            common + make_prompt(n_second, seed + 2, vocab))
+
+
+def test_random_pairs_reuse_every_shared_block_bitwise(tiny):
+    rng = random.Random(16)
+    bs = 16
+    for case in range(10):
+        n_shared = rng.choice([16, 17, 31, 48, 100, 255, 256, 257, 300, 511, 777, 1024, 2048])
+        first, second = shared_pair(n_shared, rng.randint(1, 40), rng.randint(1, 40), case)
+        _, pre = check_pair(tiny, make_config(), first, second)
+        expected = min(n_shared // bs * bs, (len(second) - 1) // bs * bs)
+        assert pre.cached_tokens == expected, (case, n_shared)
+        assert pre.unreused_shared_tokens == 0
+
+
+def test_small_preset_reuses_a_short_system_prompt_bitwise():
+    """A system prompt shorter than one chunk (242 tokens here) was never reused before."""
+    small = load_model("small", seed=0)
+    for n_shared, seed in ((242, 1), (300, 2)):
+        first, second = shared_pair(n_shared, 12, 9, seed, vocab=32000)
+        engine, pre = check_pair(small, make_config(model="small"), first, second)
+        assert engine.policy.resume == "block"
+        assert pre.cached_tokens == n_shared // 16 * 16
+
+
+def test_a_saved_checkpoint_reuses_bitwise(tmp_path, tiny):
+    tiny.model.save_pretrained(tmp_path / "ckpt")
+    saved = load_model(str(tmp_path / "ckpt"))
+    assert saved.fingerprint == tiny.fingerprint
+    for n_shared, seed in ((40, 3), (260, 4)):
+        first, second = shared_pair(n_shared, 20, 7, seed)
+        _, pre = check_pair(saved, make_config(model=str(tmp_path / "ckpt")), first, second)
+        assert pre.cached_tokens == n_shared // 16 * 16
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_the_probe_passes_on_this_cpu_with_a_row_floor(attn):
+    """Measured here: rows computed 1-3 at a time differ from the same rows inside a chunk, so
+    the probe must not settle for a floor of 1; 4 rows and more are invariant."""
+    model = load_model("tiny", seed=0, attn_implementation=attn)
+    assert reuse.probe_min_rows(model, 16, 64) == 4
+    policy = Engine(model, None, make_config(prefill_chunk_tokens=64)).policy
+    assert (policy.resume, policy.padding, policy.publish, policy.min_rows) == \
+        ("block", "keys", "block", 4)
+    assert policy.exact and policy.as_dict()["row_invariant"] is True
+
+
+def perturbed(model, below_rows: int):
+    """``model`` whose forward changes the last computed K when it runs fewer than
+    ``below_rows`` rows: a backend whose kernels differ for small row counts."""
+    original = model.forward
+
+    def forward(token_ids, cache, *, pad_keys_to=None, pad_rows_to=None):
+        logits = original(token_ids, cache, pad_keys_to=pad_keys_to, pad_rows_to=pad_rows_to)
+        if max(len(token_ids), pad_rows_to or 0) < below_rows:
+            with torch.inference_mode():
+                cache.layers[0].keys[0, :, -1] += 1e-3
+        return logits
+
+    model.forward = forward
+    return model
+
+
+def test_the_probe_finds_the_floor_of_a_backend_and_can_fail():
+    model = perturbed(load_model("tiny", seed=1), below_rows=16)
+    assert reuse.probe_min_rows(model, 16, 64) == 16
+    model = perturbed(load_model("tiny", seed=2), below_rows=64)  # only whole chunks agree
+    assert reuse.probe_min_rows(model, 16, 64) is None
+
+
+@pytest.fixture
+def probe_fails(monkeypatch):
+    """Force the fallback: rows not invariant at any floor (as on some GPU GEMM libraries)."""
+    monkeypatch.setattr(reuse, "probe_min_rows", lambda *args: None)
+
+
+def test_fallback_resumes_at_chunks_pads_rows_and_still_publishes_every_block(tiny, probe_fails):
+    config = make_config(prefill_chunk_tokens=32)
+    engine = Engine(tiny, None, config)
+    assert (engine.policy.resume, engine.policy.padding, engine.policy.publish) == \
+        ("chunk", "rows", "block")
+    assert engine.policy.exact
+    first, second = shared_pair(56, 30, 20, seed=5)
+    engine, pre = check_pair(tiny, config, first, second)
+    assert pre.cached_tokens == 32 and pre.unreused_shared_tokens == 16
+    # Every full block of the first prompt was published, its partial last chunk's included.
+    assert len(engine.store.blocks) >= len(first) // 16
+
+
+def test_row_padding_gives_the_partial_chunk_the_whole_chunks_blocks(tiny, probe_fails):
+    config = make_config(prefill_chunk_tokens=32)
+    longer = make_prompt(64, seed=6)
+    store = LocalStore()
+    Engine(tiny, store, config).prefill(longer[:50])  # blocks 0-1 whole chunk, block 2 partial
+    assert len(store.blocks) == 3
+    whole = LocalStore()
+    Engine(tiny, whole, config).prefill(longer)
+    assert set(store.blocks) <= set(whole.blocks)
+    assert all(store.blocks[k] == whole.blocks[k] for k in store.blocks)
+
+
+def test_chunk_policy_is_the_previous_behaviour(tiny):
+    config = make_config(prefill_chunk_tokens=32, reuse="chunk")
+    engine = Engine(tiny, None, config)
+    assert engine.policy.as_dict() == {"mode": "chunk", "resume": "chunk", "padding": "none",
+                                       "publish": "chunk", "row_invariant": None,
+                                       "min_rows": 1, "exact": True}
+    first, second = shared_pair(56, 30, 20, seed=7)
+    store = LocalStore()
+    Engine(tiny, store, config).prefill(first)
+    assert len(store.blocks) == len(first) // 32 * 2  # blocks of whole chunks only
+    _, pre = check_pair(tiny, config, first, second)
+    assert pre.cached_tokens == 32 and pre.unreused_shared_tokens == 16
+
+
+def test_block_policy_keeps_an_approximate_cache_apart(tiny, probe_fails):
+    exact = Engine(tiny, None, make_config(prefill_chunk_tokens=32))
+    approx = Engine(tiny, None, make_config(prefill_chunk_tokens=32, reuse="block"))
+    assert approx.policy.resume == "block" and not approx.policy.exact
+    assert approx.namespace.root != exact.namespace.root
+    store = LocalStore()
+    approx.store = store
+    first, second = shared_pair(56, 30, 20, seed=8)
+    approx.prefill(first)
+    assert approx.prefill(second).cached_tokens == 48
+
+
+def test_block_policy_shares_the_exact_namespace_where_the_probe_passes(tiny):
+    exact = Engine(tiny, None, make_config())
+    approx = Engine(tiny, None, make_config(reuse="block"))
+    assert approx.policy.exact and approx.namespace == exact.namespace
+
+
+def test_unknown_reuse_mode_is_a_config_error():
+    from kvstore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="worker.reuse"):
+        WorkerConfig(reuse="sometimes")  # type: ignore[arg-type]
