@@ -68,6 +68,15 @@ COORD_NODES_ALIVE = Gauge("kvstore_coordinator_nodes_alive", "Store nodes heartb
                           registry=REGISTRY)
 COORD_PINS = Gauge("kvstore_coordinator_pins", "Pinned block keys", ["kind"],
                    registry=REGISTRY)
+# The workers (set in each prefill/decode worker's process).
+REUSE_POLICY = Gauge("kvstore_worker_reuse_policy",
+                     "A worker's reuse policy in force (1): where hits resume, how partial "
+                     "chunks are padded, the row floor, and whether reuse is bitwise",
+                     ["mode", "resume", "padding", "min_rows", "exact"], registry=REGISTRY)
+PREFILL_TOKENS = Counter("kvstore_prefill_tokens",
+                         "Prompt tokens by where their KV came from: cached (reused), "
+                         "unreused_shared (cached but recomputed), computed",
+                         ["kind"], registry=REGISTRY)
 
 _servers: list[WSGIServer] = []
 
@@ -129,6 +138,21 @@ def observe_coordinator(nodes_alive: int, pins: dict[str, int]) -> None:
     COORD_NODES_ALIVE.set(nodes_alive)
     for kind in ("hard", "soft"):
         COORD_PINS.labels(kind=kind).set(pins.get(kind, 0))
+
+
+def observe_reuse_policy(policy: dict[str, object]) -> None:
+    """Publish the reuse policy a worker runs with (``ReusePolicy.as_dict``)."""
+    REUSE_POLICY.labels(mode=str(policy["mode"]), resume=str(policy["resume"]),
+                        padding=str(policy["padding"]), min_rows=str(policy["min_rows"]),
+                        exact=str(policy["exact"]).lower()).set(1)
+
+
+def record_prefill_tokens(cached: int, unreused_shared: int, computed: int) -> None:
+    """Count one prefill's prompt tokens by where their KV came from."""
+    for kind, n in (("cached", cached), ("unreused_shared", unreused_shared),
+                    ("computed", computed)):
+        if n:
+            PREFILL_TOKENS.labels(kind=kind).inc(n)
 
 
 def record_drift(added: int, removed: int) -> None:

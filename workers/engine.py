@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from kvstore import metrics
 from kvstore.api import MISS_NODE_UNAVAILABLE, BlockPut, FetchedBlock, KVStore, TokenIds
 from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError, KVStoreError, RequestCancelled
@@ -156,6 +157,7 @@ class Engine:
         salt = config.cache_salt if self.policy.exact else f"{config.cache_salt}\x00reuse=block"
         self.namespace = model.namespace(config.block_size, salt)
         self.hasher = BlockHasher(self.namespace)
+        metrics.observe_reuse_policy(self.policy.as_dict())
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
         self._active: dict[str, DynamicCache | None] = {}
@@ -351,6 +353,7 @@ class Engine:
                      "publish_s": t_end - t0 - ttft},
             misses=fetch.misses, tail=tail, logits=logits,
             unreused_shared_tokens=max(0, hit * bs - resume))
+        metrics.record_prefill_tokens(resume, result.unreused_shared_tokens, n - resume)
         return result, cache
 
     def prefill(self, token_ids: TokenIds, *, request_id: str = "prefill",

@@ -175,7 +175,9 @@ def _run(args: argparse.Namespace, kind: str) -> int:
                     pre, index = dep.prefill(ids, sampling, request_id=rid)
                     out = RequestOutput(rid, [pre.first_token], pre.cached_tokens,
                                         pre.num_prompt_tokens, pre.ttft_s, pre.bytes_fetched,
-                                        pre.sources, 0.0, f"prefill-{index}")
+                                        pre.sources, 0.0, f"prefill-{index}",
+                                        unreused_shared_tokens=pre.unreused_shared_tokens,
+                                        resume=dep.reuse["resume"])
                 elif kind == "decode":
                     dec = dep.decode(ids, None, sampling, request_id=rid)
                     out = RequestOutput(rid, dec.output_token_ids, dec.fetched_tokens, len(ids),
@@ -187,9 +189,11 @@ def _run(args: argparse.Namespace, kind: str) -> int:
                     out.text = tokenizer.decode(out.output_token_ids)
                 results.append(out)
                 progress.advance(task)
+        reuse = dep.reuse
     finally:
         dep.close()
-    emit(args, results, f"kvstore {kind}")
+    emit(args, results, f"kvstore {kind} (reuse {reuse['mode']}: resume at {reuse['resume']} "
+                        f"boundaries, {'bitwise' if reuse['exact'] else 'approximate'})")
     return 0
 
 

@@ -7,16 +7,22 @@ in ``workers.engine`` (docs/design.md §4).
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from kvstore.api import KVStore
+from kvstore.cluster_store import ClusterStore
 from kvstore.config import KVStoreConfig
+from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from workers.engine import Engine
 from workers.model import load_model
+
+log = logging.getLogger(__name__)
 
 #: Builds the replica's store inside the replica's own process (stores do not pickle).
 StoreFactory = Callable[[], "KVStore | None"]
@@ -44,6 +50,28 @@ class Replica:
                                 num_threads=wc.num_threads)
         self.store = store_factory() if store_factory is not None else None
         self.engine = Engine(self.model, self.store, wc)
+        self.worker_id = f"{replica_id}-{os.getpid()}"
+        if isinstance(self.store, ClusterStore):
+            self._report()
+
+    def _report(self) -> None:
+        """Tell the coordinator what this worker runs, for ``kvstore status``."""
+        from kvstore.cluster import operations
+
+        wc = self.engine.config
+        info = {"replica": self.replica_id, "node_id": self.node_id(), "model": wc.model,
+                "dtype": wc.dtype, "attn": self.model.attn_implementation,
+                "block_size": wc.block_size, "chunk_tokens": wc.prefill_chunk_tokens,
+                "reuse": self.engine.policy.as_dict()}
+        try:
+            operations.report_worker(self.worker_id, info)
+        except (KVStoreError, ray.exceptions.RayError) as exc:  # status is a view, not a duty
+            log.warning("kvstore worker %s could not report to the coordinator: %s",
+                        self.worker_id, exc)
+
+    def reuse_policy(self) -> dict[str, object]:
+        """How this replica reuses cached blocks (``ReusePolicy.as_dict``)."""
+        return self.engine.policy.as_dict()
 
     def node_id(self) -> str:
         """Where this replica's store client lives (the router matches it with holders)."""
@@ -63,6 +91,13 @@ class Replica:
         self.engine.cancel(request_id)
 
     def close(self) -> None:
+        if isinstance(self.store, ClusterStore):
+            from kvstore.cluster import operations
+
+            try:
+                operations.forget_worker(self.worker_id)
+            except (KVStoreError, ray.exceptions.RayError):
+                pass  # the coordinator is gone: nothing left to tell
         if self.store is not None:
             self.store.close()
 

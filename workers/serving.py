@@ -10,6 +10,7 @@ on a private local Ray instance, as the demo does).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ class RequestOutput:
     prefill_replica: str = ""
     text: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    unreused_shared_tokens: int = 0
+    resume: str = ""  # where the prefill may resume from cached blocks: "block" or "chunk"
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -53,7 +56,10 @@ class RequestOutput:
             "cached_tokens": self.cached_tokens, "num_prompt_tokens": self.num_prompt_tokens,
             "ttft_s": round(self.ttft_s, 6), "bytes_fetched": self.bytes_fetched,
             "sources": self.sources, "prefill_replica": self.prefill_replica,
+            "unreused_shared_tokens": self.unreused_shared_tokens,
         }
+        if self.resume:
+            out["resume"] = self.resume
         if self.text is not None:
             out["text"] = self.text
         return out
@@ -116,6 +122,8 @@ class Deployment:
                             for i in range(num_decode)]
             node_ids = ray.get([p.node_id.remote() for p in self.prefills])
         self.namespace = self._call(self.prefills[0], "namespace")
+        #: The prefill replicas' reuse policy (``workers.reuse.ReusePolicy.as_dict``).
+        self.reuse: dict[str, Any] = self._call(self.prefills[0], "reuse_policy")
         self.vocab_size: int = self._call(self.prefills[0], "vocab_size")
         self.router = Router(self.store, BlockHasher(self.namespace),
                              [ReplicaSlot(f"prefill-{i}", node)
@@ -162,7 +170,8 @@ class Deployment:
             cached_tokens=pre.cached_tokens, num_prompt_tokens=pre.num_prompt_tokens,
             ttft_s=pre.ttft_s, bytes_fetched=pre.bytes_fetched + dec.bytes_fetched,
             sources=_merge(pre.sources, dec.sources),
-            decode_tokens_per_s=dec.decode_tokens_per_s, prefill_replica=f"prefill-{index}")
+            decode_tokens_per_s=dec.decode_tokens_per_s, prefill_replica=f"prefill-{index}",
+            unreused_shared_tokens=pre.unreused_shared_tokens, resume=self.reuse["resume"])
 
     def close(self) -> None:
         """Stop the replicas (and the embedded cluster if this deployment started it)."""
@@ -173,7 +182,10 @@ class Deployment:
 
         from kvstore.cluster import lifecycle
 
-        for actor in self.prefills + self.decodes:
+        actors = self.prefills + self.decodes
+        with contextlib.suppress(Exception):  # a dead replica is killed below all the same
+            ray.get([actor.close.remote() for actor in actors], timeout=30)
+        for actor in actors:
             ray.kill(actor)
         if self.started_cluster:
             lifecycle.stop(self.config)

@@ -36,6 +36,16 @@ def drain(node_id: str) -> int:
     return int(ray.get(coordinator_handle().drain.remote(node_id)))
 
 
+def report_worker(worker_id: str, info: dict[str, Any]) -> None:
+    """Tell the coordinator what a prefill or decode worker runs (shown by ``kvstore status``)."""
+    ray.get(coordinator_handle().report_worker.remote(worker_id, info))
+
+
+def forget_worker(worker_id: str) -> None:
+    """Tell the coordinator a worker closed."""
+    ray.get(coordinator_handle().forget_worker.remote(worker_id))
+
+
 def invalidate(namespace_root: bytes) -> int:
     """Evict every block of one namespace on every node; returns how many were ordered out."""
     return int(ray.get(coordinator_handle().invalidate.remote(namespace_root)))

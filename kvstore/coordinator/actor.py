@@ -16,6 +16,7 @@ from kvstore.config import KVStoreConfig
 from kvstore.coordinator.core import CoordinatorCore
 from kvstore.coordinator.liveness import NodeStatus, Reaper
 from kvstore.coordinator.messages import HeartbeatReply
+from kvstore.coordinator.workers import WorkerTable
 from kvstore.index.base import IndexEntry
 
 
@@ -24,6 +25,7 @@ class Coordinator:
 
     def __init__(self, config: KVStoreConfig) -> None:
         self._core = CoordinatorCore(config)
+        self._workers = WorkerTable()
         cfg = config.coordinator
         # Liveness does not wait for heartbeats: a lone node that dies must still be dropped.
         # The actor is threaded (max_concurrency > 1) and the core is locked, so a thread is
@@ -115,8 +117,16 @@ class Coordinator:
         return self._core.invalidate(namespace_root)
 
     def status(self) -> dict[str, Any]:
-        """The json-able operator view."""
-        return self._core.status()
+        """The json-able operator view, with the workers' reports."""
+        return {**self._core.status(), "workers": self._workers.as_list()}
+
+    def report_worker(self, worker_id: str, info: dict[str, Any]) -> None:
+        """A prefill or decode worker says what it runs (model, device, reuse policy)."""
+        self._workers.report(worker_id, info)
+
+    def forget_worker(self, worker_id: str) -> bool:
+        """A worker closed."""
+        return self._workers.forget(worker_id)
 
     def metrics_text(self) -> str:
         """This process's Prometheus exposition (the coordinator's series live here)."""

@@ -107,9 +107,10 @@ def ray_private():
 
 @pytest.mark.ray
 def test_ray_actors_share_blocks_across_replicas(ray_private):
-    from kvstore.cluster import lifecycle
+    from kvstore.cluster import lifecycle, operations
 
     config = make_config()
+    lifecycle.start(config)  # ours, not the deployment's: its status outlives the replicas
     dep = Deployment(config, num_prefill=2, num_decode=1, mode="ray")
     try:
         system = make_prompt(96, seed=2)
@@ -117,10 +118,16 @@ def test_ray_actors_share_blocks_across_replicas(ray_private):
                 for i in range(2)]
         refs = [dep.generate(f"n{i}", system + make_prompt(9, seed=20 + i), SAMPLING,
                              use_cache=False) for i in range(2)]
+        # Each worker told the coordinator its reuse policy: kvstore status shows it.
+        workers = operations.status()["workers"]
+        assert sorted(w["replica"] for w in workers) == ["decode-0", "prefill-0", "prefill-1"]
+        assert all(w["reuse"]["resume"] == "block" and w["reuse"]["exact"] for w in workers)
+        assert all(o.resume == "block" for o in outs)
     finally:
         dep.close()
-        if not dep.started_cluster:
-            lifecycle.stop(config)
+        closed = operations.status()["workers"]
+        lifecycle.stop(config)
+    assert closed == []  # a closed worker is forgotten
     assert outs[0].cached_tokens == 0 and outs[1].cached_tokens == 96
     assert outs[0].prefill_replica != outs[1].prefill_replica
     assert outs[1].bytes_fetched > 0 and sum(outs[1].sources.values()) > 0
