@@ -1,12 +1,11 @@
 """End to end: a shared system prompt, cold vs warm TTFT, decode on fetched vs local KV.
 
-Runs the engines in this process over the real store by default (``--store cluster``: a
-private local Ray, the coordinator, a store node, and ``kvstore.cluster.lifecycle.connect()``
-— index
+Runs the engines in this process over the real store by default (``--store cluster``: a private
+local Ray, the coordinator, a store node, and ``kvstore.cluster.lifecycle.connect()`` — index
 lookups through the coordinator, leases over gRPC, same-node copies out of shared memory), or
 over an in-process LocalStore (``--store local``), on the ``small`` preset: one cold request
-publishes the system prompt, then requests with 32-64-token suffixes reuse it. Decode speed
-is measured per step on KV reassembled from fetched blocks (``paged_cache_load``) against the
+publishes the system prompt, then requests with 32-64-token suffixes reuse it. Decode speed is
+measured per step on KV reassembled from fetched blocks (``paged_cache_load``) against the
 prefill's own, locally computed KV.
 """
 
