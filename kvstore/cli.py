@@ -142,15 +142,16 @@ def cmd_status(args: argparse.Namespace) -> int:
     workers = status.get("workers") or []
     if workers:
         wt = Table(title="workers (reuse: where cache hits resume; exact = bitwise --no-cache)")
-        for col in ("worker", "node id", "model", "attention", "reuse", "resume at", "row floor",
-                    "exact"):
+        for col in ("worker", "node id", "model", "attention", "reuse", "resume at",
+                    "smallest piece", "exact"):
             wt.add_column(col, no_wrap=True)
         for w in workers:
             reuse = w.get("reuse") or {}
             wt.add_row(str(w.get("worker_id")), str(w.get("node_id", ""))[:12],
                        f"{w.get('model')} {w.get('dtype')}", str(w.get("attn")),
                        str(reuse.get("mode")), f"{reuse.get('resume')} boundaries",
-                       str(reuse.get("min_rows")), "yes" if reuse.get("exact") else "no")
+                       str((reuse.get("piece_sizes") or ["any"])[0]),
+                       "yes" if reuse.get("exact") else "no")
         console.print(wt)
     drift = status.get("drift")
     if drift:

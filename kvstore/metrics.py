@@ -70,9 +70,9 @@ COORD_PINS = Gauge("kvstore_coordinator_pins", "Pinned block keys", ["kind"],
                    registry=REGISTRY)
 # The workers (set in each prefill/decode worker's process).
 REUSE_POLICY = Gauge("kvstore_worker_reuse_policy",
-                     "A worker's reuse policy in force (1): where hits resume, how partial "
-                     "chunks are padded, the row floor, and whether reuse is bitwise",
-                     ["mode", "resume", "padding", "min_rows", "exact"], registry=REGISTRY)
+                     "A worker's reuse policy in force (1): where hits resume, the smallest "
+                     "piece a chunk is computed in, and whether reuse is bitwise",
+                     ["mode", "resume", "min_piece", "exact"], registry=REGISTRY)
 PREFILL_TOKENS = Counter("kvstore_prefill_tokens",
                          "Prompt tokens by where their KV came from: cached (reused), "
                          "unreused_shared (cached but recomputed), computed",
@@ -142,8 +142,9 @@ def observe_coordinator(nodes_alive: int, pins: dict[str, int]) -> None:
 
 def observe_reuse_policy(policy: dict[str, object]) -> None:
     """Publish the reuse policy a worker runs with (``ReusePolicy.as_dict``)."""
+    sizes = policy["piece_sizes"]
     REUSE_POLICY.labels(mode=str(policy["mode"]), resume=str(policy["resume"]),
-                        padding=str(policy["padding"]), min_rows=str(policy["min_rows"]),
+                        min_piece=str(sizes[0]) if isinstance(sizes, list) and sizes else "any",
                         exact=str(policy["exact"]).lower()).set(1)
 
 

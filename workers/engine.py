@@ -3,19 +3,20 @@
 Exact reuse rests on one rule: every token's KV has the numerics of the canonical computation,
 the prompt in chunks of ``prefill_chunk_tokens`` counted from token 0, each chunk's rows
 attending over the keys up to the chunk's end. A prompt's last, partial chunk gets those
-numerics by padding (its keys to the chunk's end, or dummy rows where the backend needs them:
-``workers.reuse``), so every full block of every prompt is canonical and is published:
+numerics by padding its keys to the chunk's end (``workers.attention``) and its rows to one of
+the piece sizes the probe verified (``workers.reuse``), so every full block of every prompt is
+canonical and is published:
 
     tokens  |--- chunk 0 ---|--- chunk 1 ---|--- chunk 2 ---|-- chunk 3 (partial) --|
     blocks  |b0 |b1 |b2 |b3 |b4 |b5 |b6 |b7 |b8 |b9 |b10|b11|b12|b13|  tail   (padded)
             <---------------- published: every full block ----------->  private
 
-A hit is used up to the last block it covers where the backend's rows are invariant to how many
-run together (the probe checks it), else up to the last chunk boundary; the model resumes there
-with exactly the KV a cold run has. Hence a cached run and a ``use_cache=False`` run do the same
-arithmetic and their logits and tokens are bitwise equal. A Miss (rejected block, holder gone)
-only moves the resume point back: never a failure, never wrong KV. The tail (the last, partial
-block) travels to decode privately (``TailKV``).
+A hit is used up to the last block it covers where the probe found pieces smaller than a chunk
+exact (at most half a piece before it is recomputed, to fit a piece size), else up to the last
+chunk boundary; the model resumes there with exactly the KV a cold run has. Hence a cached run
+and a ``use_cache=False`` run do the same arithmetic and their logits and tokens are bitwise
+equal. A Miss (rejected block, holder gone) only moves the resume point back: never a failure,
+never wrong KV. The tail (the last, partial block) travels to decode privately (``TailKV``).
 """
 
 from __future__ import annotations
@@ -212,11 +213,6 @@ class Engine:
     def _block_tokens(self, tokens: list[int], i: int) -> list[int]:
         return tokens[i * self.block_size:(i + 1) * self.block_size]
 
-    @property
-    def resume_unit(self) -> int:
-        """Tokens between the points a request may resume from (a block, or a whole chunk)."""
-        return self.block_size if self.policy.resume == "block" else self.chunk_tokens
-
     def publish_end(self, num_tokens: int) -> int:
         """Where the published blocks of a prompt of ``num_tokens`` end."""
         unit = self.block_size if self.policy.publish == "block" else self.chunk_tokens
@@ -243,10 +239,22 @@ class Engine:
             fetch.bytes_fetched += r.payload.numel() * r.payload.element_size()
         return fetch
 
-    def _resumable(self, num_blocks: int) -> int:
-        """How many of ``num_blocks`` leading blocks a computation may resume after."""
-        unit = self.resume_unit // self.block_size
-        return num_blocks // unit * unit
+    def resume_point(self, cached: int, num_tokens: int) -> int:
+        """Where computing starts when the KV of the first ``cached`` tokens (whole blocks) is at
+        hand: ``cached`` itself, or earlier where the first piece's size reaches back (already
+        cached rows are then recomputed, bitwise the same), or the chunk's start."""
+        chunk, bs = self.chunk_tokens, self.block_size
+        if cached >= num_tokens:
+            return num_tokens
+        if self.policy.mode == "chunk":
+            return cached // chunk * chunk
+        chunk_end = (cached // chunk + 1) * chunk
+        start = cached
+        while True:
+            size = self.policy.piece_size(min(chunk_end, num_tokens) - start)
+            if start <= chunk_end - size:
+                return start
+            start = (chunk_end - size) // bs * bs
 
     def _lookup(self, keys: Sequence[bytes]) -> int:
         assert self.store is not None
@@ -259,8 +267,8 @@ class Engine:
                     request_id: str, deadline: float) -> torch.Tensor | None:
         """Tokens ``[start, n)`` on top of ``cache``, chunk by chunk, with each chunk's numerics.
 
-        ``start`` is a resume point of the policy (a block or a chunk boundary); the first piece
-        runs to the end of its chunk, the last one is padded as the policy says.
+        ``start`` comes from ``resume_point``. Each piece (the rest of a chunk) attends over keys
+        padded to its chunk's end and runs with the policy's piece size, dummy rows filling it.
         """
         logits = None
         pos, n = start, len(tokens)
@@ -268,16 +276,10 @@ class Engine:
             self._check(request_id, deadline)
             chunk_end = (pos // self.chunk_tokens + 1) * self.chunk_tokens
             end = min(chunk_end, n)
-            padding, rows = self.policy.padding, end - pos
-            if padding == "keys":  # and dummy rows up to the floor where the probe found one
+            if self.policy.pad_keys or end == chunk_end:
                 logits = self.model.forward(tokens[pos:end], cache, pad_keys_to=chunk_end,
-                                            pad_rows_to=max(rows, self.policy.min_rows))
-            elif padding == "rows":
-                logits = self.model.forward(tokens[pos:end], cache, pad_keys_to=chunk_end,
-                                            pad_rows_to=chunk_end - pos)
-            elif end == chunk_end:  # the chunk-only policy: whole chunks as every policy runs
-                logits = self.model.forward(tokens[pos:end], cache, pad_keys_to=chunk_end)
-            else:  # ... and its partial last chunk as it is (never published)
+                                            pad_rows_to=self.policy.piece_size(end - pos))
+            else:  # the chunk-only policy's partial last chunk, as it is (never published)
                 logits = self.model.forward(tokens[pos:end], cache)
             pos = end
         return logits
@@ -307,9 +309,8 @@ class Engine:
         use_store = use_cache and self.store is not None
         hit = self._lookup(keys) if use_store else 0
         # The last token always runs (its logits give the first token), so never resume at n.
-        max_resume = (n - 1) // self.resume_unit * self.resume_unit
-        fetch = self._fetch(tokens, keys, min(hit, max_resume // bs))
-        fetch.keep(self._resumable(len(fetch.payloads)))
+        fetch = self._fetch(tokens, keys, min(hit, (n - 1) // bs))
+        fetch.keep(self.resume_point(len(fetch.payloads) * bs, n) // bs)
         t_fetch = time.perf_counter()
         resume = len(fetch.payloads) * bs
         if fetch.payloads:
@@ -389,11 +390,11 @@ class Engine:
             n, bs = len(tokens), self.block_size
             # What the prefill published; without a prefill in front the last token must run.
             whole = self.publish_end(n) if first_token is not None else \
-                min(self.publish_end(n), (n - 1) // self.resume_unit * self.resume_unit)
+                min(self.publish_end(n), (n - 1) // bs * bs)
             keys = self.hasher.block_keys(tokens[:whole])
             fetch = self._fetch(tokens, keys, len(keys) if use_cache else 0)
             if not (tail is not None and len(fetch.payloads) * bs == whole == tail.start):
-                fetch.keep(self._resumable(len(fetch.payloads)))  # something must run
+                fetch.keep(self.resume_point(len(fetch.payloads) * bs, n) // bs)  # must run
             resume = len(fetch.payloads) * bs
             keys_kv: list[torch.Tensor] = []
             values_kv: list[torch.Tensor] = []

@@ -1,27 +1,32 @@
 """How much of a cached prefix a request may reuse, decided by measuring, not by assuming.
 
 Exact reuse (docs/design.md §4) computes a prompt with the numerics of canonical chunks of
-``prefill_chunk_tokens`` from token 0. Two facts decide how fine-grained the reuse can be:
+``prefill_chunk_tokens`` from token 0: each chunk's rows attend over keys padded to the chunk's
+end (``workers.attention``), so every full block of every prompt is canonical and is published.
 
-* Every full block of a prompt can be published once the prompt's last, partial chunk gets the
-  numerics of a whole chunk: its rows attend over keys padded to the chunk's end, or, on a
-  backend where that is not enough, the chunk is padded with dummy rows.
-* A request can resume at any block boundary (not only at a chunk boundary) only where a
-  backend's per-row results do not depend on how many rows run together. CPU matmuls are row
-  invariant; GPU GEMM libraries often pick other kernels for other row counts. So
-  ``probe_min_rows`` checks it on the real model, device, dtype and attention before a
-  worker relies on it, and the worker falls back to chunk boundaries (and dummy rows) where it
-  fails.
+Resuming in the middle of a chunk computes fewer rows than the whole chunk, and whether a row
+comes out the same when computed with a different number of rows depends on the backend: matmul
+libraries pick kernels, and split work over threads, by the row count. Measured on this CPU:
+pieces of 1 or 2 rows differ from the same rows inside their chunk, odd sizes such as 5 or 31
+rows differ with 2 threads but not with 1, and pieces whose row count is a power of two from 4
+up agree with either. So the engine never runs a piece with an arbitrary row count: it rounds
+the count up to one of a few *piece sizes* (dummy rows at the end, or already-cached rows
+recomputed at the start), and ``probe_piece_sizes`` checks each candidate size on the real
+model, device, dtype and attention before the worker relies on it. The whole chunk is always a
+valid size, so where nothing smaller passes a request resumes at chunk boundaries, still
+publishing every block.
 
-``worker.reuse`` picks the policy: ``exact`` (the default: bitwise equal to ``--no-cache``,
-as fine-grained as the probe allows), ``block`` (vLLM's semantics: resume at any block boundary
-on any backend, numerically close where the probe fails, and then in a namespace of its own so
-it never hands its KV to an exact worker) and ``chunk`` (the previous policy: resume and
-publish at whole chunks only, no padding; kept as the benchmarks' baseline).
+``worker.reuse`` picks the policy: ``exact`` (the default: bitwise equal to ``--no-cache``, as
+fine-grained as the probe allows), ``block`` (vLLM's semantics: resume at any block boundary
+with rows as they come; numerically close where the probe found sizes that fail, and then in a
+namespace of its own so it never hands its KV to an exact worker) and ``chunk`` (the previous
+policy: resume and publish at whole chunks only, the last partial chunk unpadded; kept as the
+benchmarks' baseline).
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 from dataclasses import dataclass
 from typing import Literal
@@ -35,10 +40,9 @@ from workers.model import CausalLM
 log = logging.getLogger(__name__)
 
 Granularity = Literal["block", "chunk"]
-Padding = Literal["keys", "rows", "none"]
 
 #: Verdicts already measured in this process, by everything that can change them.
-_PROBED: dict[tuple[object, ...], int | None] = {}
+_PROBED: dict[tuple[object, ...], tuple[int, ...]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,61 +50,80 @@ class ReusePolicy:
     """What a worker does with a cached prefix, and why (for logs, job output and status)."""
 
     mode: ReuseMode
-    resume: Granularity  # where a request may pick up from cached blocks
-    padding: Padding  # how a partial chunk gets whole-chunk numerics
-    publish: Granularity  # which full blocks are published: every one, or whole chunks only
-    row_invariant: bool | None  # the probe's verdict (None: not probed)
-    min_rows: int = 1  # a piece of a chunk with fewer rows runs with dummy rows up to this
+    chunk_tokens: int
+    #: Rows per forward of a piece of a chunk, ascending, ending with the whole chunk; a piece
+    #: runs with the smallest size that holds it. Empty: rows as they come (no rounding).
+    piece_sizes: tuple[int, ...]
+    publish: Granularity  # every full block, or blocks of whole chunks only
+    pad_keys: bool  # partial chunks attend over keys padded to the chunk's end
+    probed_exact: bool | None  # whether the probe found every size it tried exact (None: no probe)
+
+    @property
+    def resume(self) -> Granularity:
+        """Where a request may resume from cached blocks."""
+        if self.mode == "chunk" or (self.piece_sizes and self.piece_sizes[0] >= self.chunk_tokens):
+            return "chunk"
+        return "block"
 
     @property
     def exact(self) -> bool:
         """Whether a cached run is bitwise equal to ``--no-cache`` under this policy."""
-        return self.mode != "block" or bool(self.row_invariant)
+        return self.mode != "block" or bool(self.probed_exact)
+
+    def piece_size(self, num_rows: int) -> int:
+        """The rows a piece of ``num_rows`` real rows runs with."""
+        if not self.piece_sizes:
+            return num_rows
+        return self.piece_sizes[bisect.bisect_left(self.piece_sizes, num_rows)]
 
     def describe(self) -> str:
         """One line for logs and tables."""
-        probe = {None: "not probed", True: f"rows invariant from {self.min_rows} rows",
-                 False: "rows NOT invariant"}
-        return (f"reuse={self.mode}: resume at {self.resume} boundaries, pad {self.padding}, "
-                f"publish {'every full block' if self.publish == 'block' else 'whole chunks'} "
-                f"({probe[self.row_invariant]}; {'bitwise' if self.exact else 'approximate'})")
+        sizes = ",".join(map(str, self.piece_sizes)) or "any"
+        return (f"reuse={self.mode}: resume at {self.resume} boundaries, pieces of {sizes} "
+                f"rows, publish {'every full block' if self.publish == 'block' else 'whole chunks'}"
+                f" ({'bitwise' if self.exact else 'approximate'})")
 
     def as_dict(self) -> dict[str, object]:
         """The json-able form (job output, ``kvstore status``)."""
-        return {"mode": self.mode, "resume": self.resume, "padding": self.padding,
-                "publish": self.publish, "row_invariant": self.row_invariant,
-                "min_rows": self.min_rows, "exact": self.exact}
+        return {"mode": self.mode, "resume": self.resume,
+                "piece_sizes": list(self.piece_sizes), "publish": self.publish,
+                "pad_keys": self.pad_keys, "exact": self.exact}
 
 
 def choose_policy(mode: ReuseMode, model: CausalLM, block_size: int, chunk_tokens: int
                   ) -> ReusePolicy:
-    """The policy for ``mode`` on this model, probing row invariance where it matters."""
+    """The policy for ``mode`` on this model, probing piece sizes where it matters."""
     if mode == "chunk":
-        return ReusePolicy("chunk", "chunk", "none", "chunk", None)
-    min_rows = probe_min_rows(model, block_size, chunk_tokens)
-    if mode == "block" or min_rows is not None:
-        policy = ReusePolicy(mode, "block", "keys", "block", min_rows is not None, min_rows or 1)
+        return ReusePolicy("chunk", chunk_tokens, (chunk_tokens,), "chunk", False, None)
+    sizes = probe_piece_sizes(model, block_size, chunk_tokens)
+    all_exact = sizes == candidate_sizes(chunk_tokens)
+    if mode == "block":
+        policy = ReusePolicy("block", chunk_tokens, () if not all_exact else sizes, "block",
+                             True, all_exact)
     else:
-        policy = ReusePolicy(mode, "chunk", "rows", "block", False)
+        policy = ReusePolicy("exact", chunk_tokens, sizes, "block", True, all_exact)
     log.info("kvstore worker %s on %s %s %s: %s", model.name, _device(model), model.dtype,
              model.attn_implementation, policy.describe())
     return policy
 
 
-#: Candidates for the fewest rows a piece of a chunk runs with (dummy rows make up the rest):
-#: matmul libraries often switch kernels for the smallest row counts (measured here: rows
-#: computed 1-3 at a time differ from the same rows inside a chunk, 4 or more do not).
-ROW_FLOORS = (1, 2, 4, 8, 16)
+def candidate_sizes(chunk_tokens: int) -> tuple[int, ...]:
+    """Powers of two below the chunk, then the chunk itself."""
+    sizes, size = [], 1
+    while size < chunk_tokens:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, chunk_tokens)
 
 
-def probe_min_rows(model: CausalLM, block_size: int, chunk_tokens: int) -> int | None:
-    """The fewest rows a piece of a chunk must run with for its rows to be the whole chunk's.
+def probe_piece_sizes(model: CausalLM, block_size: int, chunk_tokens: int) -> tuple[int, ...]:
+    """The piece sizes whose rows come out bitwise as inside the whole chunk, ascending.
 
-    ``None`` when no floor up to a block works: then only whole (row-padded) chunks are exact.
-    One chunk of seeded random tokens runs whole; then pieces starting at block boundaries,
-    from 1 row to the chunk's end, run on top of the whole run's KV with keys padded to the
-    chunk's end, as the engine runs them. Every piece must give bitwise the whole chunk's KV for
-    its rows, and the whole chunk's last logits where it ends there.
+    One chunk of seeded random tokens runs whole; then, for each candidate size, pieces of that
+    many rows at block-aligned offsets (the chunk's start, its end, one between) run on top of
+    the whole run's KV with keys padded to the chunk's end, as the engine runs them. A size
+    passes when every piece gives the whole chunk's KV for its rows (and its last logits where
+    it ends there). The whole chunk always passes.
     """
     key = (model.fingerprint, _device(model), model.dtype, model.attn_implementation,
            block_size, chunk_tokens, torch.get_num_threads())
@@ -109,33 +132,35 @@ def probe_min_rows(model: CausalLM, block_size: int, chunk_tokens: int) -> int |
     return _PROBED[key]
 
 
-def _probe(model: CausalLM, block_size: int, chunk_tokens: int) -> int | None:
+def _probe(model: CausalLM, block_size: int, chunk_tokens: int) -> tuple[int, ...]:
     generator = torch.Generator().manual_seed(20261122)
     tokens = torch.randint(0, model.shape.vocab_size, (chunk_tokens,),
                            generator=generator).tolist()
     whole = model.new_cache()
     whole_logits = model.forward(tokens, whole, pad_keys_to=chunk_tokens)
     whole_kv = model.export_kv(whole, 0, chunk_tokens)
-    # Starts after the first block and at the last one (both ends of a chunk); the first start
-    # begins at 0 when a chunk is a single block (then a piece can only start there).
-    starts = sorted({min(block_size, chunk_tokens - block_size), chunk_tokens - block_size})
-    cases = [(start, rows) for start in starts
-             for rows in sorted({1, 2, 3, block_size - 1, block_size, chunk_tokens - start})
-             if 0 < rows <= chunk_tokens - start]
-    for floor in (f for f in ROW_FLOORS if f <= block_size):
-        for start, rows in cases:
-            cache = _prefix_cache(model, whole_kv, start)
-            logits = model.forward(tokens[start:start + rows], cache, pad_keys_to=chunk_tokens,
-                                   pad_rows_to=max(rows, floor))
-            same = torch.equal(model.export_kv(cache, start, start + rows),
-                               whole_kv[:, :, start:start + rows])
-            if start + rows == chunk_tokens:
-                same = same and torch.equal(logits, whole_logits)
-            if not same:
-                break
-        else:
-            return floor
-    return None
+    passing = []
+    for size in candidate_sizes(chunk_tokens)[:-1]:
+        last = (chunk_tokens - size) // block_size * block_size  # the latest aligned start
+        middle = {last // 2 // block_size * block_size} if size <= 2 * block_size else set()
+        offsets = sorted({0, last} | middle)
+        if all(_piece_matches(model, tokens, whole_kv, whole_logits, start, size)
+               for start in offsets):
+            passing.append(size)
+    return (*passing, chunk_tokens)
+
+
+def _piece_matches(model: CausalLM, tokens: list[int], whole_kv: torch.Tensor,
+                   whole_logits: torch.Tensor, start: int, size: int) -> bool:
+    """Rows ``[start, start + size)`` computed as one piece equal the whole chunk's."""
+    chunk_tokens = len(tokens)
+    cache = _prefix_cache(model, whole_kv, start)
+    logits = model.forward(tokens[start:start + size], cache, pad_keys_to=chunk_tokens)
+    same = torch.equal(model.export_kv(cache, start, start + size),
+                       whole_kv[:, :, start:start + size])
+    if start + size == chunk_tokens:
+        same = same and torch.equal(logits, whole_logits)
+    return same
 
 
 def _prefix_cache(model: CausalLM, kv: torch.Tensor, end: int) -> DynamicCache:

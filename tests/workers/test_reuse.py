@@ -59,14 +59,19 @@ def shared_pair(n_shared: int, n_first: int, n_second: int, seed: int, vocab: in
 
 def test_random_pairs_reuse_every_shared_block_bitwise(tiny):
     rng = random.Random(16)
-    bs = 16
-    for case in range(10):
-        n_shared = rng.choice([16, 17, 31, 48, 100, 255, 256, 257, 300, 511, 777, 1024, 2048])
+    bs, chunk = 16, 256
+    for case in range(12):
+        n_shared = rng.choice([16, 17, 31, 48, 100, 208, 255, 256, 257, 300, 511, 777, 1024,
+                               2048])
         first, second = shared_pair(n_shared, rng.randint(1, 40), rng.randint(1, 40), case)
-        _, pre = check_pair(tiny, make_config(), first, second)
-        expected = min(n_shared // bs * bs, (len(second) - 1) // bs * bs)
-        assert pre.cached_tokens == expected, (case, n_shared)
-        assert pre.unreused_shared_tokens == 0
+        engine, pre = check_pair(tiny, make_config(), first, second)
+        shared = min(n_shared // bs * bs, (len(second) - 1) // bs * bs)
+        # Resumed at the last shared block, or where the first piece's size reaches back to
+        # (at most half a piece, never past the chunk's start).
+        start = engine.resume_point(shared, len(second))
+        assert pre.cached_tokens == start, (case, n_shared)
+        assert shared // chunk * chunk <= start <= shared
+        assert pre.unreused_shared_tokens == shared - start
 
 
 def test_small_preset_reuses_a_short_system_prompt_bitwise():
@@ -90,15 +95,20 @@ def test_a_saved_checkpoint_reuses_bitwise(tmp_path, tiny):
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_the_probe_passes_on_this_cpu_with_a_row_floor(attn):
-    """Measured here: rows computed 1-3 at a time differ from the same rows inside a chunk, so
-    the probe must not settle for a floor of 1; 4 rows and more are invariant."""
-    model = load_model("tiny", seed=0, attn_implementation=attn)
-    assert reuse.probe_min_rows(model, 16, 64) == 4
-    policy = Engine(model, None, make_config(prefill_chunk_tokens=64)).policy
-    assert (policy.resume, policy.padding, policy.publish, policy.min_rows) == \
-        ("block", "keys", "block", 4)
-    assert policy.exact and policy.as_dict()["row_invariant"] is True
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_probe_finds_the_piece_sizes_of_this_cpu(attn, threads):
+    """Measured here: pieces of 1 or 2 rows differ from the same rows inside a chunk (the
+    matmul switches kernels), powers of two from 4 rows agree, with 1 thread or 2."""
+    model = load_model("tiny", seed=0, attn_implementation=attn, num_threads=threads)
+    try:
+        assert reuse.probe_piece_sizes(model, 16, 64) == (4, 8, 16, 32, 64)
+        policy = Engine(model, None, make_config(prefill_chunk_tokens=64,
+                                                 num_threads=threads)).policy
+    finally:
+        torch.set_num_threads(1)
+    assert (policy.resume, policy.publish, policy.pad_keys) == ("block", "block", True)
+    assert policy.exact and policy.as_dict()["piece_sizes"] == [4, 8, 16, 32, 64]
+    assert [policy.piece_size(n) for n in (1, 3, 4, 5, 31, 33, 64)] == [4, 4, 4, 8, 32, 64, 64]
 
 
 def perturbed(model, below_rows: int):
@@ -117,24 +127,24 @@ def perturbed(model, below_rows: int):
     return model
 
 
-def test_the_probe_finds_the_floor_of_a_backend_and_can_fail():
+def test_the_probe_finds_the_sizes_of_a_backend_and_can_fail():
     model = perturbed(load_model("tiny", seed=1), below_rows=16)
-    assert reuse.probe_min_rows(model, 16, 64) == 16
+    assert reuse.probe_piece_sizes(model, 16, 64) == (16, 32, 64)
     model = perturbed(load_model("tiny", seed=2), below_rows=64)  # only whole chunks agree
-    assert reuse.probe_min_rows(model, 16, 64) is None
+    assert reuse.probe_piece_sizes(model, 16, 64) == (64,)
 
 
 @pytest.fixture
 def probe_fails(monkeypatch):
-    """Force the fallback: rows not invariant at any floor (as on some GPU GEMM libraries)."""
-    monkeypatch.setattr(reuse, "probe_min_rows", lambda *args: None)
+    """Force the fallback: only whole chunks agree (as on some GPU GEMM libraries)."""
+    monkeypatch.setattr(reuse, "probe_piece_sizes", lambda model, bs, chunk: (chunk,))
 
 
 def test_fallback_resumes_at_chunks_pads_rows_and_still_publishes_every_block(tiny, probe_fails):
     config = make_config(prefill_chunk_tokens=32)
     engine = Engine(tiny, None, config)
-    assert (engine.policy.resume, engine.policy.padding, engine.policy.publish) == \
-        ("chunk", "rows", "block")
+    assert (engine.policy.resume, engine.policy.publish, engine.policy.piece_sizes) == \
+        ("chunk", "block", (32,))
     assert engine.policy.exact
     first, second = shared_pair(56, 30, 20, seed=5)
     engine, pre = check_pair(tiny, config, first, second)
@@ -158,9 +168,8 @@ def test_row_padding_gives_the_partial_chunk_the_whole_chunks_blocks(tiny, probe
 def test_chunk_policy_is_the_previous_behaviour(tiny):
     config = make_config(prefill_chunk_tokens=32, reuse="chunk")
     engine = Engine(tiny, None, config)
-    assert engine.policy.as_dict() == {"mode": "chunk", "resume": "chunk", "padding": "none",
-                                       "publish": "chunk", "row_invariant": None,
-                                       "min_rows": 1, "exact": True}
+    assert engine.policy.as_dict() == {"mode": "chunk", "resume": "chunk", "piece_sizes": [32],
+                                       "publish": "chunk", "pad_keys": False, "exact": True}
     first, second = shared_pair(56, 30, 20, seed=7)
     store = LocalStore()
     Engine(tiny, store, config).prefill(first)
@@ -181,7 +190,9 @@ def test_block_policy_keeps_an_approximate_cache_apart(tiny, probe_fails):
     assert approx.prefill(second).cached_tokens == 48
 
 
-def test_block_policy_shares_the_exact_namespace_where_the_probe_passes(tiny):
+def test_block_policy_shares_the_exact_namespace_where_every_size_passes(tiny, monkeypatch):
+    monkeypatch.setattr(reuse, "probe_piece_sizes",
+                        lambda model, bs, chunk: reuse.candidate_sizes(chunk))
     exact = Engine(tiny, None, make_config())
     approx = Engine(tiny, None, make_config(reuse="block"))
     assert approx.policy.exact and approx.namespace == exact.namespace
