@@ -9,12 +9,13 @@ comes out the same when computed with a different number of rows depends on the 
 libraries pick kernels, and split work over threads, by the row count. Measured on this CPU:
 pieces of 1 or 2 rows differ from the same rows inside their chunk, odd sizes such as 5 or 31
 rows differ with 2 threads but not with 1, and pieces whose row count is a power of two from 4
-up agree with either. So the engine never runs a piece with an arbitrary row count: it rounds
-the count up to one of a few *piece sizes* (dummy rows at the end, or already-cached rows
-recomputed at the start), and ``probe_piece_sizes`` checks each candidate size on the real
-model, device, dtype and attention before the worker relies on it. The whole chunk is always a
-valid size, so where nothing smaller passes a request resumes at chunk boundaries, still
-publishing every block.
+up agree with either, as do multiples of the block size. So the engine never runs a piece with
+an arbitrary row count: it rounds the count up to a *piece size* (dummy rows fill the piece;
+where a size would cross the chunk's end, cached rows before it are recomputed instead), and
+``probe_piece_sizes`` checks each candidate size (powers of two below a block, then every
+multiple of a block) on the real model's layers, device, dtype and attention before the worker
+relies on it. The whole chunk is always a valid size, so where nothing smaller passes a request
+resumes at chunk boundaries, still publishing every block.
 
 ``worker.reuse`` picks the policy: ``exact`` (the default: bitwise equal to ``--no-cache``, as
 fine-grained as the probe allows), ``block`` (vLLM's semantics: resume at any block boundary
@@ -27,6 +28,8 @@ benchmarks' baseline).
 from __future__ import annotations
 
 import bisect
+import copy
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Literal
@@ -43,6 +46,9 @@ Granularity = Literal["block", "chunk"]
 
 #: Verdicts already measured in this process, by everything that can change them.
 _PROBED: dict[tuple[object, ...], tuple[int, ...]] = {}
+#: Decoder layers the probe runs: every layer has the same shapes, so the same kernels; two
+#: make one layer's whole output (attention and MLP) visible in the next one's K/V.
+PROBE_LAYERS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +102,7 @@ def choose_policy(mode: ReuseMode, model: CausalLM, block_size: int, chunk_token
     if mode == "chunk":
         return ReusePolicy("chunk", chunk_tokens, (chunk_tokens,), "chunk", False, None)
     sizes = probe_piece_sizes(model, block_size, chunk_tokens)
-    all_exact = sizes == candidate_sizes(chunk_tokens)
+    all_exact = sizes == candidate_sizes(block_size, chunk_tokens)
     if mode == "block":
         policy = ReusePolicy("block", chunk_tokens, () if not all_exact else sizes, "block",
                              True, all_exact)
@@ -107,13 +113,15 @@ def choose_policy(mode: ReuseMode, model: CausalLM, block_size: int, chunk_token
     return policy
 
 
-def candidate_sizes(chunk_tokens: int) -> tuple[int, ...]:
-    """Powers of two below the chunk, then the chunk itself."""
-    sizes, size = [], 1
-    while size < chunk_tokens:
-        sizes.append(size)
-        size *= 2
-    return (*sizes, chunk_tokens)
+def candidate_sizes(block_size: int, chunk_tokens: int) -> tuple[int, ...]:
+    """Powers of two below a block, then every multiple of a block up to the chunk.
+
+    A piece starts on a block boundary, so rounding its rows up to a multiple of a block never
+    crosses its chunk's end: no cached row is recomputed, and at most a block's worth of dummy
+    rows is added.
+    """
+    small = [1 << i for i in range(block_size.bit_length()) if 1 << i < block_size]
+    return (*small, *range(block_size, chunk_tokens + 1, block_size))
 
 
 def probe_piece_sizes(model: CausalLM, block_size: int, chunk_tokens: int) -> tuple[int, ...]:
@@ -123,7 +131,8 @@ def probe_piece_sizes(model: CausalLM, block_size: int, chunk_tokens: int) -> tu
     many rows at block-aligned offsets (the chunk's start, its end, one between) run on top of
     the whole run's KV with keys padded to the chunk's end, as the engine runs them. A size
     passes when every piece gives the whole chunk's KV for its rows (and its last logits where
-    it ends there). The whole chunk always passes.
+    it ends there). The whole chunk always passes. It runs the model's first ``PROBE_LAYERS``
+    decoder layers (shared weights), which keeps the probe of ``small`` to seconds.
     """
     key = (model.fingerprint, _device(model), model.dtype, model.attn_implementation,
            block_size, chunk_tokens, torch.get_num_threads())
@@ -133,6 +142,7 @@ def probe_piece_sizes(model: CausalLM, block_size: int, chunk_tokens: int) -> tu
 
 
 def _probe(model: CausalLM, block_size: int, chunk_tokens: int) -> tuple[int, ...]:
+    model = _first_layers(model, PROBE_LAYERS)
     generator = torch.Generator().manual_seed(20261122)
     tokens = torch.randint(0, model.shape.vocab_size, (chunk_tokens,),
                            generator=generator).tolist()
@@ -140,10 +150,12 @@ def _probe(model: CausalLM, block_size: int, chunk_tokens: int) -> tuple[int, ..
     whole_logits = model.forward(tokens, whole, pad_keys_to=chunk_tokens)
     whole_kv = model.export_kv(whole, 0, chunk_tokens)
     passing = []
-    for size in candidate_sizes(chunk_tokens)[:-1]:
+    for size in candidate_sizes(block_size, chunk_tokens)[:-1]:
         last = (chunk_tokens - size) // block_size * block_size  # the latest aligned start
-        middle = {last // 2 // block_size * block_size} if size <= 2 * block_size else set()
-        offsets = sorted({0, last} | middle)
+        # Small pieces are cheap: several offsets; large ones end at the chunk's end, where
+        # their last logits are checked too.
+        offsets = sorted({0, last, last // 2 // block_size * block_size}) \
+            if size <= 4 * block_size else [last]
         if all(_piece_matches(model, tokens, whole_kv, whole_logits, start, size)
                for start in offsets):
             passing.append(size)
@@ -161,6 +173,30 @@ def _piece_matches(model: CausalLM, tokens: list[int], whole_kv: torch.Tensor,
     if start + size == chunk_tokens:
         same = same and torch.equal(logits, whole_logits)
     return same
+
+
+def _first_layers(model: CausalLM, num_layers: int) -> CausalLM:
+    """A view of ``model`` that runs only its first ``num_layers`` decoder layers.
+
+    Weights and modules are shared, nothing of ``model`` is changed: the view has its own
+    config (``num_hidden_layers``, which transformers' Llama loop and caches follow) and its own
+    module tables above the layers.
+    """
+    if model.shape.num_layers <= num_layers:
+        return model
+    config = copy.copy(model.config)
+    config.num_hidden_layers = num_layers
+    inner = copy.copy(model.model.model)
+    inner._modules = dict(inner._modules)
+    inner.config = config
+    outer = copy.copy(model.model)
+    outer._modules = dict(outer._modules)
+    outer._modules["model"] = inner
+    outer.config = config
+    view = copy.copy(model)
+    view.model, view.config = outer, config
+    view.shape = dataclasses.replace(model.shape, num_layers=num_layers)
+    return view
 
 
 def _prefix_cache(model: CausalLM, kv: torch.Tensor, end: int) -> DynamicCache:

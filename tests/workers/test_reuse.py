@@ -98,38 +98,34 @@ def test_a_saved_checkpoint_reuses_bitwise(tmp_path, tiny):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_probe_finds_the_piece_sizes_of_this_cpu(attn, threads):
     """Measured here: pieces of 1 or 2 rows differ from the same rows inside a chunk (the
-    matmul switches kernels), powers of two from 4 rows agree, with 1 thread or 2."""
+    matmul switches kernels); 4 and 8 rows and every multiple of a block agree, with 1 thread
+    or 2."""
     model = load_model("tiny", seed=0, attn_implementation=attn, num_threads=threads)
     try:
-        assert reuse.probe_piece_sizes(model, 16, 64) == (4, 8, 16, 32, 64)
+        assert reuse.probe_piece_sizes(model, 16, 64) == (4, 8, 16, 32, 48, 64)
         policy = Engine(model, None, make_config(prefill_chunk_tokens=64,
                                                  num_threads=threads)).policy
     finally:
         torch.set_num_threads(1)
     assert (policy.resume, policy.publish, policy.pad_keys) == ("block", "block", True)
-    assert policy.exact and policy.as_dict()["piece_sizes"] == [4, 8, 16, 32, 64]
-    assert [policy.piece_size(n) for n in (1, 3, 4, 5, 31, 33, 64)] == [4, 4, 4, 8, 32, 64, 64]
+    assert policy.exact and policy.as_dict()["piece_sizes"] == [4, 8, 16, 32, 48, 64]
+    assert [policy.piece_size(n) for n in (1, 3, 4, 5, 31, 33, 64)] == [4, 4, 4, 8, 32, 48, 64]
 
 
 def perturbed(model, below_rows: int):
-    """``model`` whose forward changes the last computed K when it runs fewer than
-    ``below_rows`` rows: a backend whose kernels differ for small row counts."""
-    original = model.forward
+    """``model`` whose first layer's K projection is off in the last bits when it runs fewer
+    than ``below_rows`` rows: a backend whose kernels differ for small row counts."""
 
-    def forward(token_ids, cache, *, pad_keys_to=None, pad_rows_to=None):
-        logits = original(token_ids, cache, pad_keys_to=pad_keys_to, pad_rows_to=pad_rows_to)
-        if max(len(token_ids), pad_rows_to or 0) < below_rows:
-            with torch.inference_mode():
-                cache.layers[0].keys[0, :, -1] += 1e-3
-        return logits
+    def hook(module, inputs, output):
+        return output + 1e-3 if output.shape[-2] < below_rows else output
 
-    model.forward = forward
+    model.model.model.layers[0].self_attn.k_proj.register_forward_hook(hook)
     return model
 
 
 def test_the_probe_finds_the_sizes_of_a_backend_and_can_fail():
     model = perturbed(load_model("tiny", seed=1), below_rows=16)
-    assert reuse.probe_piece_sizes(model, 16, 64) == (16, 32, 64)
+    assert reuse.probe_piece_sizes(model, 16, 64) == (16, 32, 48, 64)
     model = perturbed(load_model("tiny", seed=2), below_rows=64)  # only whole chunks agree
     assert reuse.probe_piece_sizes(model, 16, 64) == (64,)
 
@@ -192,7 +188,7 @@ def test_block_policy_keeps_an_approximate_cache_apart(tiny, probe_fails):
 
 def test_block_policy_shares_the_exact_namespace_where_every_size_passes(tiny, monkeypatch):
     monkeypatch.setattr(reuse, "probe_piece_sizes",
-                        lambda model, bs, chunk: reuse.candidate_sizes(chunk))
+                        lambda model, bs, chunk: reuse.candidate_sizes(bs, chunk))
     exact = Engine(tiny, None, make_config())
     approx = Engine(tiny, None, make_config(reuse="block"))
     assert approx.policy.exact and approx.namespace == exact.namespace
@@ -203,3 +199,25 @@ def test_unknown_reuse_mode_is_a_config_error():
 
     with pytest.raises(ConfigError, match="worker.reuse"):
         WorkerConfig(reuse="sometimes")  # type: ignore[arg-type]
+
+
+def test_the_probe_view_runs_the_first_layers_and_changes_nothing():
+    """The probe runs a view of the model's first layers: the same KV as the full model's
+    first layers, and the model itself untouched."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from workers.model import PRESETS, CausalLM
+
+    torch.manual_seed(0)
+    model = CausalLM(LlamaForCausalLM(LlamaConfig(**{**PRESETS["tiny"], "num_hidden_layers": 3})),
+                     "float32", "three-layers")
+    view = reuse._first_layers(model, 2)
+    assert view.shape.num_layers == 2 and view.config.num_hidden_layers == 2
+    assert model.shape.num_layers == 3 and model.config.num_hidden_layers == 3
+    assert len(model.model.model.layers) == 3
+    tokens = make_prompt(24, seed=9)
+    short, full = view.new_cache(), model.new_cache()
+    view.forward(tokens, short, pad_keys_to=32)
+    model.forward(tokens, full, pad_keys_to=32)
+    assert len(short.layers) == 2
+    assert torch.equal(view.export_kv(short, 0, 24), model.export_kv(full, 0, 24)[:2])
