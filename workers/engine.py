@@ -13,10 +13,11 @@ canonical and is published:
 
 A hit is used up to the last block it covers where the probe found pieces smaller than a chunk
 exact (cached rows are recomputed only where a passing piece size would cross the chunk's end),
-else up to the last chunk boundary; the model resumes there with exactly the KV a cold run has. Hence a cached run
-and a ``use_cache=False`` run do the same arithmetic and their logits and tokens are bitwise
-equal. A Miss (rejected block, holder gone) only moves the resume point back: never a failure,
-never wrong KV. The tail (the last, partial block) travels to decode privately (``TailKV``).
+else up to the last chunk boundary; the model resumes there with exactly the KV a cold run has.
+Hence a cached run and a ``use_cache=False`` run do the same arithmetic and their logits and
+tokens are bitwise equal. A Miss (rejected block, holder gone) only moves the resume point back:
+never a failure, never wrong KV. The tail (the last, partial block) travels to decode privately
+(``TailKV``).
 """
 
 from __future__ import annotations
