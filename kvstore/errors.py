@@ -61,3 +61,23 @@ class NodeUnavailable(KVStoreError):
 
 class RequestCancelled(KVStoreError):
     """The request was cancelled or timed out; its leases were released."""
+
+
+class ClusterUnavailable(NodeUnavailable):
+    """No Ray cluster to act on, or kvstore is not running on it; the message says what to run."""
+
+
+class ClusterConflict(KVStoreError):
+    """kvstore already runs on this Ray cluster with other settings than the ones asked for."""
+
+
+class IndexBackendError(KVStoreError):
+    """The external index (Redis) failed; the message names it by its password-masked URL."""
+
+
+class IndexUnavailable(IndexBackendError, NodeUnavailable):
+    """The Redis index cannot be reached (wrong host or port, down, or a timeout)."""
+
+
+class IndexAuthError(IndexBackendError, Unauthenticated):
+    """Redis refused the credentials, or a password was given to a Redis that has none."""

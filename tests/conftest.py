@@ -52,6 +52,22 @@ def index(request: pytest.FixtureRequest) -> Iterator[Index]:
     idx.close()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """No test reads or writes the operator's ``~/.kvstore``: the cluster `kvstore start`
+    records (kvstore.cluster.address) lives in a directory of this session's own, which every
+    subprocess a test starts inherits."""
+    from kvstore.cluster.address import STATE_DIR_ENV
+
+    before = os.environ.get(STATE_DIR_ENV)
+    os.environ[STATE_DIR_ENV] = str(tmp_path_factory.mktemp("kvstore-state"))
+    yield
+    if before is None:
+        os.environ.pop(STATE_DIR_ENV, None)
+    else:
+        os.environ[STATE_DIR_ENV] = before
+
+
 @pytest.fixture(scope="session")
 def ray_local() -> Iterator[None]:
     """One local Ray instance for the whole session (2 CPUs, no dashboard)."""

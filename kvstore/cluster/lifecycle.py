@@ -5,24 +5,36 @@ Ray nodes joining later a store node too; all of them are named, detached actors
 (``kvstore.cluster.names``). Readers discover store nodes through the coordinator's
 ``directory()``, never through hand-kept port lists. ``stop`` tears everything down and sweeps
 the arena files of this cluster's nodes.
+
+A ``start`` is all or nothing: the Redis index is checked before any actor exists, a store
+already running with other settings is refused (same settings: nothing changes), and a start
+that fails part-way stops whatever it started, so no watcher is left re-creating a
+crash-looping store node. Which Ray cluster is used is ``kvstore.cluster.address``'s decision.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvstore.api import NodeAddress
+from kvstore.cluster.address import (
+    LOCAL,
+    Resolved,
+    answers,
+    auth_mode_for_private_ray,
+    resolve,
+)
 from kvstore.cluster.names import (
     COORDINATOR_NAME,
     RAY_NAMESPACE,
@@ -32,7 +44,7 @@ from kvstore.cluster.names import (
     store_actor_name,
 )
 from kvstore.config import KVStoreConfig
-from kvstore.errors import NodeUnavailable
+from kvstore.errors import ClusterConflict, ClusterUnavailable
 
 #: How long start() waits for every store node to register before giving up.
 START_TIMEOUT_S = 60.0
@@ -47,31 +59,18 @@ class ClusterInfo:
     ray_address: str
     epoch: int
     index_backend: str
+    capacity_bytes: int  # per node, as the running store has it (not as a re-start asked)
     nodes: dict[str, NodeAddress] = field(default_factory=dict)
+    already_running: bool = False  # start found it running with these settings
 
 
-def _running_cluster_address() -> str | None:
-    """RAY_ADDRESS, else the cluster `ray start` last brought up on this machine, else None."""
-    from ray._private import services  # Ray's own resolution of "auto"
+def ensure_ray(address: str | Resolved | None = None, *, start_local: bool = True) -> None:
+    """Connect this process to Ray: the cluster ``address.resolve`` names, else a private one.
 
-    try:
-        return services.canonicalize_bootstrap_address("auto")
-    except Exception:  # no address file, unreadable, or malformed: treat as none running
-        return None
-
-
-def _answers(address: str, timeout_s: float = 3.0) -> bool:
-    """Whether anything accepts TCP at ``host:port`` (Ray itself retries for minutes)."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return True
-    except (OSError, ValueError):
-        return False
-
-
-def ensure_ray(address: str | None = None, *, start_local: bool = True) -> None:
-    """Connect this process to Ray: ``address``, else a running cluster, else a local one."""
+    With nothing named and ``start_local`` false (operator commands), raise instead: acting on
+    a Ray instance that lives only as long as this command would be a silent no-op. A caller
+    that already resolved the address passes the ``Resolved`` (no second stale-record note).
+    """
     if ray.is_initialized():
         return
     kwargs: dict[str, Any] = {
@@ -79,18 +78,23 @@ def ensure_ray(address: str | None = None, *, start_local: bool = True) -> None:
         "logging_level": logging.WARNING,
         "log_to_driver": False,
     }
-    target = _running_cluster_address() if address in (None, "auto") else address
-    if target is None:
-        if not start_local:
-            raise NodeUnavailable(
-                "no running Ray cluster found: run `ray start --head` first, or pass "
-                "--address / set RAY_ADDRESS"
-            )
-        ray.init(**kwargs)
+    resolved = address if isinstance(address, Resolved) else resolve(address)
+    if resolved.address is None and not start_local:
+        raise ClusterUnavailable(
+            "no Ray cluster to act on: run `kvstore start` (it starts a local Ray head when "
+            "none is named), or pass --address HOST:PORT / set RAY_ADDRESS")
+    if resolved.address in (None, LOCAL):
+        os.environ.setdefault("RAY_AUTH_MODE", auth_mode_for_private_ray())
+        # "local", never None: Ray would read its own address file and attach to whatever
+        # `ray start` left there, alive or stale.
+        ray.init(address="local", include_dashboard=False, **kwargs)
         return
-    if not target.startswith("ray://") and not _answers(target):
-        raise NodeUnavailable(f"no Ray cluster answers at {target}: check --address / "
-                              "RAY_ADDRESS, or run `ray start --head`")
+    target = str(resolved.address)
+    if resolved.recorded is not None and resolved.recorded.auth_mode:
+        os.environ.setdefault("RAY_AUTH_MODE", resolved.recorded.auth_mode)
+    if not target.startswith("ray://") and not answers(target):
+        raise ClusterUnavailable(f"no Ray cluster answers at {target} (from "
+                                 f"{resolved.source}): check it, or run `kvstore start`")
     ray.init(address=target, **kwargs)
 
 
@@ -163,12 +167,91 @@ class Watcher:
         self._stop.set()
 
 
-def start(config: KVStoreConfig | None = None, *, address: str | None = None,
+#: The sections a running store was built from; client and worker settings are per caller.
+STORE_SECTIONS = ("pool", "server", "index", "coordinator")
+
+
+def config_differences(running: KVStoreConfig, requested: KVStoreConfig) -> list[str]:
+    """``section.field: running X, asked Y`` per differing store setting (secrets masked)."""
+    out = []
+    for section in STORE_SECTIONS:
+        have, want = getattr(running, section), getattr(requested, section)
+        for f in dataclasses.fields(have):
+            a, b = getattr(have, f.name), getattr(want, f.name)
+            if a != b:
+                out.append(f"{section}.{f.name}: running {_shown(f.name, a)}, "
+                           f"asked {_shown(f.name, b)}")
+    return out
+
+
+def _shown(name: str, value: Any) -> str:
+    if value is None:
+        return "none"
+    if "token" in name or "password" in name:
+        return "***"
+    if name == "redis_url":
+        from kvstore.index.redis import redact_url
+
+        return redact_url(str(value))
+    return str(value)
+
+
+def check_index(config: KVStoreConfig) -> None:
+    """Reach the configured Redis now, from here: a bad URL or password fails before any actor."""
+    if config.index.backend != "redis":
+        return
+    from kvstore.index.factory import make_index
+
+    make_index(config.index).close()
+
+
+def running_config() -> KVStoreConfig | None:
+    """The settings of the coordinator running on this Ray cluster, or None when none runs."""
+    try:
+        handle = ray.get_actor(COORDINATOR_NAME, namespace=RAY_NAMESPACE)
+    except ValueError:
+        return None
+    config: Any = ray.get(handle.config.remote(), timeout=START_TIMEOUT_S)
+    return cast(KVStoreConfig, config)
+
+
+def start(config: KVStoreConfig | None = None, *, address: str | Resolved | None = None,
           start_local: bool = True) -> ClusterInfo:
-    """Start the coordinator, a store node per Ray node and the watcher; idempotent."""
+    """Start the coordinator, a store node per Ray node and the watcher; all or nothing.
+
+    Against a running store with the same settings this changes nothing and reports it; with
+    other settings it raises ``ClusterConflict`` naming each difference.
+    """
     config = config or KVStoreConfig()
+    check_index(config)
     ensure_ray(address, start_local=start_local)
+    try:
+        running = running_config()
+    except ray.exceptions.RayActorError:  # a dead leftover of an earlier failure: clear it
+        stop(config)
+        running = None
+    if running is not None:
+        differences = config_differences(running, config)
+        if differences:
+            raise ClusterConflict(
+                "kvstore already runs on this Ray cluster with other settings ("
+                + "; ".join(differences) + "): run `kvstore stop` first to change them, or "
+                "start with the settings it runs with")
+        info = _bring_up(running)
+        info.already_running = True
+        return info
+    try:
+        return _bring_up(config)
+    except BaseException:
+        stop(config)  # nothing ran before: undo all of it, the watcher first
+        raise
+
+
+def _bring_up(config: KVStoreConfig) -> ClusterInfo:
     coordinator = start_coordinator(config)
+    # The coordinator first: its own error (say, Redis refused it) is the one worth reporting,
+    # not the store nodes' failure to register with it.
+    epoch = ray.get(coordinator.epoch.remote(), timeout=START_TIMEOUT_S)
     handles = {node_id: start_store_node(config, node_id) for node_id in _alive_node_ids()}
     Watcher.options(  # type: ignore[attr-defined]
         name=WATCHER_NAME, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True,
@@ -177,11 +260,11 @@ def start(config: KVStoreConfig | None = None, *, address: str | None = None,
     # Each store node registers in its constructor; a ping returns once it has.
     ray.get([h.ping.remote() for h in handles.values()], timeout=START_TIMEOUT_S)
     directory = _wait_directory(coordinator, set(handles), START_TIMEOUT_S)
-    epoch = ray.get(coordinator.epoch.remote())
     return ClusterInfo(
         ray_address=ray.get_runtime_context().gcs_address,
         epoch=int(epoch),
         index_backend=config.index.backend,
+        capacity_bytes=config.pool.capacity_bytes,
         nodes=directory,
     )
 
@@ -236,7 +319,8 @@ def _unlink_arenas(patterns: list[str]) -> int:
     return removed
 
 
-def stop(config: KVStoreConfig | None = None, *, address: str | None = None) -> int:
+def stop(config: KVStoreConfig | None = None, *, address: str | Resolved | None = None
+         ) -> int:
     """Tear everything down: the watcher first (so nothing respawns), stores, coordinator."""
     config = config or KVStoreConfig()
     ensure_ray(address, start_local=False)

@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any
 
-from kvstore.errors import NodeUnavailable
+from kvstore.errors import ClusterUnavailable
 
 RAY_NAMESPACE = "kvstore"
 COORDINATOR_NAME = "kvstore-coordinator"
@@ -43,7 +43,7 @@ def arena_glob(shm_dir: str, node_id: str) -> str:
 
 
 def coordinator_handle() -> Any:
-    """The running coordinator actor; raises NodeUnavailable when the cluster is not started."""
+    """The running coordinator actor; raises ClusterUnavailable when kvstore is not started."""
     import ray
 
     # A busy GCS can fail a name lookup transiently: retry briefly before saying "not running".
@@ -53,6 +53,6 @@ def coordinator_handle() -> Any:
         except ValueError:
             if attempt < 2:
                 time.sleep(1.0)
-    raise NodeUnavailable(
-        "the kvstore coordinator is not running on this Ray cluster: run `kvstore start`"
+    raise ClusterUnavailable(
+        "kvstore is not running on this Ray cluster (no coordinator): run `kvstore start`"
     )

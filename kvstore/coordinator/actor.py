@@ -31,10 +31,13 @@ class Coordinator:
         # The actor is threaded (max_concurrency > 1) and the core is locked, so a thread is
         # safe here; a sweep every quarter timeout declares a node dead within 1.25 timeouts.
         self._reaper = Reaper(self._tick, min(cfg.heartbeat_interval_s, cfg.node_timeout_s / 4))
-        if cfg.metrics_port is not None:
-            from kvstore.metrics import start_metrics_server
+        # Loopback unless coordinator.metrics_host says otherwise; the address is in status().
+        import ray
 
-            start_metrics_server(cfg.metrics_port)
+        from kvstore.metrics import serve_metrics
+
+        self.metrics_address = serve_metrics(cfg.metrics_port, cfg.metrics_host,
+                                             ray.util.get_node_ip_address(), "coordinator")
 
     def _tick(self) -> None:
         """The reaper's sweep: an index that lost its data first, then silent nodes."""
@@ -44,6 +47,10 @@ class Coordinator:
     def epoch(self) -> int:
         """Changes on every (re)start: nodes re-register when they see a new one."""
         return self._core.epoch
+
+    def config(self) -> KVStoreConfig:
+        """The settings this coordinator was started with (a second `start` compares them)."""
+        return self._core.config
 
     def register_node(self, node_id: str, address: NodeAddress, capacity_bytes: int,
                       entries: list[IndexEntry]) -> int:
@@ -95,14 +102,18 @@ class Coordinator:
         """Every node, live and dead."""
         return self._core.nodes_status()
 
-    def pin(self, keys: Sequence[bytes], *, hard: bool = False, ttl_s: float | None = None
-            ) -> int:
-        """Pin keys (hard: never evicted; soft: last, with a TTL)."""
-        return self._core.pin(keys, hard=hard, ttl_s=ttl_s)
+    def pin(self, keys: Sequence[bytes], *, hard: bool = False, ttl_s: float | None = None,
+            ahead: bool = True) -> tuple[int, int]:
+        """Pin keys (hard: never evicted; soft: last, with a TTL); ``(pinned, cached)``."""
+        return self._core.pin(keys, hard=hard, ttl_s=ttl_s, ahead=ahead)
 
-    def unpin(self, keys: Sequence[bytes]) -> int:
-        """Remove pins."""
-        return self._core.unpin(keys)
+    def unpin(self, keys: Sequence[bytes]) -> tuple[int, int]:
+        """Remove pins; ``(unpinned, cached)``."""
+        return self._core.unpin(keys), self._core.num_cached(keys)
+
+    def ls(self, limit: int = 20) -> dict[str, Any]:
+        """Namespaces and the most recent cached prefixes (``kvstore ls``)."""
+        return self._core.listing(limit)
 
     def drain(self, node_id: str) -> int:
         """Move a node's blocks elsewhere (or evict them) so it can be removed."""
@@ -116,13 +127,21 @@ class Coordinator:
         """Evict a namespace everywhere."""
         return self._core.invalidate(namespace_root)
 
+    def invalidate_keys(self, keys: Sequence[bytes]) -> int:
+        """Evict exactly these blocks everywhere."""
+        return self._core.invalidate_keys(keys)
+
     def status(self) -> dict[str, Any]:
         """The json-able operator view, with the workers' reports."""
-        return {**self._core.status(), "workers": self._workers.as_list()}
+        return {**self._core.status(), "metrics_address": self.metrics_address,
+                "workers": self._workers.as_list()}
 
     def report_worker(self, worker_id: str, info: dict[str, Any]) -> None:
-        """A prefill or decode worker says what it runs (model, device, reuse policy)."""
+        """A prefill or decode worker says what it runs (model, device, reuse policy) and,
+        under ``namespace``, the namespace it publishes in (for ``kvstore ls``)."""
         self._workers.report(worker_id, info)
+        if isinstance(info.get("namespace"), dict):
+            self._core.namespaces.describe(info["namespace"])
 
     def forget_worker(self, worker_id: str) -> bool:
         """A worker closed."""

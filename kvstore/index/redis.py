@@ -31,7 +31,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from kvstore.api import PrefixHit
-from kvstore.errors import ConfigError, KVStoreError, NodeUnavailable, Unauthenticated
+from kvstore.errors import ConfigError, IndexAuthError, IndexBackendError, IndexUnavailable
 from kvstore.index.base import IndexEntry, KeyInfo
 from kvstore.index.checks import check_entries, check_keys, check_node_id
 
@@ -179,7 +179,7 @@ class RedisIndex:
             try:
                 self._r = redis.Redis.from_url(url, **kwargs)
             except ValueError as exc:  # redis-py's message names the bad part of the URL
-                raise KVStoreError(f"bad Redis URL {self.url}: {exc}") from exc
+                raise ConfigError(f"bad Redis URL {self.url}: {exc}") from exc
             self._publish = self._r.register_script(_PUBLISH)
             self._lookup = self._r.register_script(_LOOKUP_PREFIX)
             self._touch = self._r.register_script(_TOUCH)
@@ -189,6 +189,28 @@ class RedisIndex:
             # round trip (Script would otherwise try EVALSHA, get NOSCRIPT, load, retry).
             for script in (self._publish, self._lookup, self._touch, self._remove, self._drop):
                 self._r.script_load(script.script)
+        self._check_password_needed(url, kwargs)
+
+    def _check_password_needed(self, url: str, kwargs: dict[str, Any]) -> None:
+        """Refuse a password that Redis would ignore: the operator believes the index is private.
+
+        A Redis without ``requirepass`` answers ``AUTH`` with an error that redis-py swallows,
+        so ask directly: a password-less connection that may run a command proves it has none.
+        """
+        parts = urlsplit(url)
+        if parts.password is None or parts.username not in (None, "", "default"):
+            return  # an ACL user name: other users may have passwords even if default has none
+        bare = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+        probe = redis.Redis.from_url(bare, **{**kwargs, "retry": None})
+        try:
+            probe.ping()
+        except redis.RedisError:
+            return  # NOAUTH (or similar): Redis does want the password
+        finally:
+            probe.close()
+        raise IndexAuthError(
+            f"Redis index at {self.url}: a password was given but this Redis has none "
+            "configured (it accepts any); drop the password from the URL, or set requirepass")
 
     def publish(self, entries: Sequence[IndexEntry]) -> None:
         """Add holders; visible to every reader when it returns."""
@@ -326,18 +348,19 @@ class RedisIndex:
         try:
             yield
         except redis.AuthenticationError as exc:
-            raise Unauthenticated(f"Redis index at {self.url} rejected the credentials: {exc}; "
-                                  "check the password in index.redis_url") from exc
+            raise IndexAuthError(f"Redis index at {self.url} rejected the credentials ({exc}); "
+                                 "check the password in the Redis URL") from exc
         except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise NodeUnavailable(f"Redis index at {self.url} is unreachable: {exc}") from exc
+            raise IndexUnavailable(f"Redis index at {self.url} is unreachable ({exc}); check "
+                                   "the host and port in the Redis URL and that Redis runs"
+                                   ) from exc
         except redis.ResponseError as exc:
             if str(exc).startswith(("NOAUTH", "WRONGPASS")):
-                raise Unauthenticated(f"Redis index at {self.url} needs a valid password: {exc}; "
-                                      "set it in index.redis_url (redis://:PASSWORD@host:port/0)"
-                                      ) from exc
-            raise KVStoreError(f"Redis index at {self.url} failed: {exc}") from exc
+                raise IndexAuthError(f"Redis index at {self.url} needs a valid password ({exc}); "
+                                     "put it in the URL: redis://:PASSWORD@host:port/0") from exc
+            raise IndexBackendError(f"Redis index at {self.url} failed: {exc}") from exc
         except redis.RedisError as exc:
-            raise KVStoreError(f"Redis index at {self.url} failed: {exc}") from exc
+            raise IndexBackendError(f"Redis index at {self.url} failed: {exc}") from exc
 
 
 def _glob_escape(raw: bytes) -> bytes:

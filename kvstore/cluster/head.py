@@ -1,0 +1,127 @@
+"""A single-machine Ray head that `kvstore start` brings up when no cluster was named.
+
+The head is ``ray start --head --block`` in a session of its own: every port is chosen free
+(never 6379, which a system Redis may hold, nor Ray's fixed defaults such as 10001, which a
+second head on the machine would collide on), its temp dir is private, and its auth mode is
+decided explicitly (``address.auth_mode_for_private_ray``). It is stopped by its process group
+and the processes naming its temp dir, never by ``ray stop``, which stops every Ray instance of
+the user on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from kvstore.cluster.address import RecordedCluster, answers, auth_mode_for_private_ray, state_dir
+from kvstore.errors import ClusterUnavailable
+
+#: How long the head has to accept connections before `kvstore start` gives up.
+HEAD_START_TIMEOUT_S = 90.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def head_command(port: int, temp_dir: str) -> list[str]:
+    """The exact ``ray start`` line (all ports explicit); also what an operator could run."""
+    ports = {name: _free_port() for name in (
+        "ray-client-server-port", "node-manager-port", "object-manager-port",
+        "runtime-env-agent-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+        "metrics-export-port")}
+    return ["ray", "start", "--head", "--block", f"--port={port}",
+            "--node-ip-address=127.0.0.1", "--include-dashboard=false",
+            "--disable-usage-stats", f"--temp-dir={temp_dir}",
+            *(f"--{name}={value}" for name, value in ports.items())]
+
+
+def start_head() -> RecordedCluster:
+    """Start a private Ray head on this machine and wait until its GCS answers."""
+    ray_exe = shutil.which("ray")
+    if ray_exe is None:
+        raise ClusterUnavailable("the `ray` command is not on PATH; install ray, or pass "
+                                 "--address HOST:PORT of a running cluster")
+    auth_mode = auth_mode_for_private_ray()
+    # Short: Ray's unix socket paths live under it and must stay under 107 bytes.
+    temp_dir = tempfile.mkdtemp(prefix="kvs-ray-")
+    port = _free_port()
+    log_dir = state_dir()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / "ray-head.log"
+    env = {**os.environ, "RAY_AUTH_MODE": auth_mode}
+    env.pop("RAY_ADDRESS", None)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(head_command(port, temp_dir), stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    head = RecordedCluster(f"127.0.0.1:{port}", auth_mode, proc.pid, temp_dir)
+    deadline = time.monotonic() + HEAD_START_TIMEOUT_S
+    while not answers(head.address, timeout_s=1.0):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_head(head)
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:]
+            raise ClusterUnavailable(
+                f"could not start a local Ray head ({' '.join(tail) or 'no output'}); see "
+                f"{log_path}, or start Ray yourself and pass --address")
+        time.sleep(0.5)
+    return head
+
+
+def stop_head(head: RecordedCluster) -> None:
+    """Stop a head `start_head` started: its process group, then stragglers naming its dir."""
+    if head.head_pid is None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(head.head_pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        if _wait_gone(head.head_pid, 10.0):
+            break
+    if head.temp_dir:
+        # Ray's workers may leave the process group; they all carry the temp dir in argv.
+        for pid in _pids_mentioning(head.temp_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        shutil.rmtree(head.temp_dir, ignore_errors=True)
+
+
+def _wait_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)  # our child: reap it
+            if done == pid:
+                return True
+        except ChildProcessError:  # not our child (a later `kvstore stop`): probe it
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+        time.sleep(0.1)
+    return False
+
+
+def _pids_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            pids.append(int(entry.name))
+    return pids
