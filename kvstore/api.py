@@ -88,12 +88,14 @@ class PoolStats:
 
 @dataclass(slots=True)
 class NodeAddress:
-    """Where a store node listens: gRPC (control + data), the bulk byte channel, its arena file."""
+    """Where a store node listens: gRPC (control + data), the bulk byte channel, its arena file,
+    and its Prometheus ``/metrics`` (``host:port``; None when ``server.metrics_port`` is off)."""
 
     node_id: str
     grpc_address: str
     bulk_address: str | None = None
     shm_path: str | None = None
+    metrics_address: str | None = None
 
 
 class KVStore(Protocol):

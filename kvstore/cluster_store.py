@@ -8,6 +8,10 @@ buffer: one ``[n, block_nbytes]`` tensor per batch, or the caller's own (``batch
 Whatever goes wrong with a block or a node becomes a ``Miss`` with a reason: a worker
 recomputes, it never fails or uses wrong KV. Same node is decided by node id (the Ray node),
 not by whether ``/dev/shm`` happens to be shared.
+
+Hits, misses, fetched blocks per path and fetch latency are tallied here, in the reader's
+process, and pushed to the reader's own store node every ``FLUSH_INTERVAL_S`` and on ``close``
+(``kvstore.reader_metrics``): the node serves them on its ``/metrics``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from kvstore import metrics
+from kvstore import reader_metrics
 from kvstore.api import (
     MISS_LEASE_EXPIRED,
     MISS_NODE_UNAVAILABLE,
@@ -64,6 +68,10 @@ class ClusterStore:
         self._resolve = _resolver(directory)
         self._clients: dict[str, StoreNodeClient] = {}
         self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._pusher = threading.Thread(target=self._push_loop, daemon=True,
+                                        name="kvstore-metrics-push")
+        self._pusher.start()
 
     # -- the facade -------------------------------------------------------------------------
     def lookup_prefix(self, namespace: Namespace, keys: Sequence[bytes]) -> PrefixHit:
@@ -119,9 +127,9 @@ class ClusterStore:
                 fetched.append(FetchedBlock(keys[i], payloads[i], r))
                 continue
             miss = last_miss.get(i) or Miss(keys[i], MISS_NOT_FOUND, "no node holds it")
-            metrics.record_miss(miss.reason)
+            reader_metrics.record_miss(miss.reason)
             fetched.append(miss)
-        metrics.record_hits(sum(isinstance(r, FetchedBlock) for r in fetched))
+        reader_metrics.record_hits(sum(isinstance(r, FetchedBlock) for r in fetched))
         return fetched
 
     def batch_put(self, namespace: Namespace, blocks: Sequence[BlockPut]) -> None:
@@ -135,13 +143,35 @@ class ClusterStore:
             encoded.append((bytes(b.key), buf))
         self._client(self.node_id).put_blocks(namespace, encoded)
 
+    def flush_metrics(self) -> bool:
+        """Push this process's reader metrics to our store node now; False if it failed (they
+        stay pending for the next push)."""
+        tally = reader_metrics.take_pending()
+        if tally.empty():
+            return True
+        try:
+            self._client(self.node_id).report_reads(tally)
+        except (KVStoreError, OSError) as exc:
+            if isinstance(exc, NodeUnavailable):
+                self._drop_client(self.node_id)
+            reader_metrics.restore_pending(tally)
+            return False
+        return True
+
     def close(self) -> None:
+        """Push the last metrics (a short job's figures count too), then close connections."""
+        self._closed.set()
+        self.flush_metrics()
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             client.close()
 
     # -- internals --------------------------------------------------------------------------
+    def _push_loop(self) -> None:
+        while not self._closed.wait(reader_metrics.FLUSH_INTERVAL_S):
+            self.flush_metrics()
+
     def _order(self, holders: Sequence[str]) -> list[str]:
         own = [h for h in holders if h == self.local_node_id]
         return own + [h for h in holders if h != self.local_node_id]
@@ -196,16 +226,20 @@ class ClusterStore:
             for i in idxs:
                 last_miss[i] = Miss(keys[i], MISS_NODE_UNAVAILABLE, f"{node[:12]}: {exc}")
             return
-        path = "shm" if client.same_node else ("bulk" if client.has_bulk else "grpc")
-        metrics.observe_fetch(path, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        num_ok = nbytes_ok = 0
         for i, outcome in zip(idxs, got, strict=True):
             if outcome is None:
                 last_miss[i] = Miss(keys[i], MISS_NOT_FOUND, f"{node[:12]} no longer holds it")
             elif isinstance(outcome, (BlockCorrupted, BlockMismatch)):
                 miss = last_miss[i] = Miss.rejected(keys[i], outcome, node[:12])
-                metrics.record_rejected(miss.reason)
+                reader_metrics.record_rejected(miss.reason)
             else:
                 results[i] = node  # the FetchedBlock is made once the whole batch is in
+                num_ok += 1
+                nbytes_ok += outcome if isinstance(outcome, int) else 0
+        path = "shm" if client.same_node else ("bulk" if client.has_bulk else "grpc")
+        reader_metrics.record_fetch(path, num_ok, nbytes_ok, seconds)
 
 
 def new_block_buffer(namespace: Namespace, num_blocks: int) -> torch.Tensor:

@@ -1,46 +1,79 @@
-"""Prometheus metrics of kvstore, in one module-level registry.
+"""Prometheus metrics of kvstore, in one module-level registry, and the HTTP server for it.
 
 Every metric is created once, when this module is first imported, in ``REGISTRY``; components
-in one process (a store node, a worker, the coordinator) share it, so none of them can register
-a series twice. Helpers check label values against fixed sets: an unknown label would silently
-start a new time series, so it raises instead.
+in one process (a store node, the coordinator) share it, so none of them can register a series
+twice. Helpers check label values against fixed sets: an unknown label would silently start a
+new time series, so it raises instead.
+
+Who records what (docs/metrics.md lists every series):
+
+- a store node records what it serves, stores and evicts, its pool gauges (read at scrape
+  time), and the readers' figures they push to it (``apply_reader_tally``);
+- readers never record here: ``kvstore.reader_metrics`` tallies their hits, misses, fetches
+  and latencies and ``ClusterStore`` pushes the tally to its store node;
+- the coordinator records its table size, drift, orders, liveness and pins.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from kvstore.api import MISS_CORRUPTED, MISS_MISMATCH, MISS_REASONS, MissReason, PoolStats
-
-#: How block bytes moved: gRPC messages, the bulk byte channel, or same-node shared memory.
-PATHS = ("grpc", "bulk", "shm")
-#: Why a block was refused on the way in or out (reads reject with the MISS_* verdicts).
-REJECT_REASONS = (MISS_CORRUPTED, MISS_MISMATCH, "namespace", "too_large", "malformed",
-                  "pool_full", "unauthenticated")
-
-REGISTRY = CollectorRegistry(auto_describe=True)
-
-BLOCKS_IN = Counter("kvstore_blocks_in", "Blocks received (published or fetched in)",
-                    ["path"], registry=REGISTRY)
-BLOCKS_OUT = Counter("kvstore_blocks_out", "Blocks served to readers", ["path"],
-                     registry=REGISTRY)
-BYTES_IN = Counter("kvstore_bytes_in", "Block bytes received", ["path"], registry=REGISTRY)
-BYTES_OUT = Counter("kvstore_bytes_out", "Block bytes served", ["path"], registry=REGISTRY)
-FETCH_LATENCY = Histogram(
-    "kvstore_fetch_latency_seconds", "Time to fetch and verify one batch of blocks", ["path"],
-    # 100 us (same-node shm) up to 10 s (a slow remote node near its deadline)
-    buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
-             2.5, 5.0, 10.0),
-    registry=REGISTRY,
+from kvstore.api import MISS_REASONS, PoolStats
+from kvstore.reader_metrics import (
+    PATHS,
+    PREFILL_KINDS,
+    REJECT_REASONS,
+    ReaderTally,
+    check_label,
 )
+from kvstore.reader_metrics import record_prefill_tokens as record_prefill_tokens
+
+#: Why a node evicted blocks: its pool was full on a put (capacity), the coordinator's
+#: high-watermark plan (watermark), a drain or a namespace invalidation, or an operator's Evict.
+EVICTION_CAUSES = ("capacity", "watermark", "drain", "invalidate", "admin")
+#: How blocks came into a node's pool: a client's Put, or a copy the coordinator ordered.
+STORE_SOURCES = ("put", "replica")
+
+log = logging.getLogger(__name__)
+REGISTRY = CollectorRegistry(auto_describe=True)
+_LATENCY_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5,
+                    1.0, 2.5, 5.0, 10.0)  # 100 us (same-node shm) to 10 s (a slow remote node)
+
+# -- readers' figures (pushed by readers, recorded by the store node they push to) ---------------
 HITS = Counter("kvstore_hits", "Requested blocks that came back verified", registry=REGISTRY)
 MISSES = Counter("kvstore_misses", "Requested blocks that could not be used", ["reason"],
                  registry=REGISTRY)
+FETCHED_BLOCKS = Counter("kvstore_fetched_blocks", "Verified blocks readers fetched", ["path"],
+                         registry=REGISTRY)
+FETCHED_BYTES = Counter("kvstore_fetched_bytes", "Bytes of verified blocks readers fetched",
+                        ["path"], registry=REGISTRY)
+FETCH_LATENCY = Histogram("kvstore_fetch_latency_seconds",
+                          "Time to fetch and verify one batch of blocks from one node", ["path"],
+                          buckets=_LATENCY_BUCKETS, registry=REGISTRY)
+PREFILL_TOKENS = Counter("kvstore_prefill_tokens",
+                         "Prompt tokens by where their KV came from: cached (reused), "
+                         "unreused_shared (cached but recomputed), computed",
+                         ["kind"], registry=REGISTRY)
+# -- both: readers' verification failures and a node's refused puts -----------------------------
 REJECTED = Counter("kvstore_rejected_blocks", "Blocks refused by verification or limits",
                    ["reason"], registry=REGISTRY)
-EVICTIONS = Counter("kvstore_evictions", "Blocks evicted from a node's pool", ["node_id"],
+# -- a store node's own figures ------------------------------------------------------------------
+SERVED_BLOCKS = Counter("kvstore_served_blocks", "Blocks a node served to readers (shm: leased "
+                        "to same-node readers)", ["path"], registry=REGISTRY)
+SERVED_BYTES = Counter("kvstore_served_bytes", "Bytes of blocks a node served", ["path"],
+                       registry=REGISTRY)
+STORED_BLOCKS = Counter("kvstore_stored_blocks", "Blocks stored into a node's pool", ["source"],
+                        registry=REGISTRY)
+STORED_BYTES = Counter("kvstore_stored_bytes", "Bytes of blocks stored into a node's pool",
+                       ["source"], registry=REGISTRY)
+PUT_LATENCY = Histogram("kvstore_put_latency_seconds",
+                        "Time a node took to receive, verify, store and publish one Put call",
+                        buckets=_LATENCY_BUCKETS, registry=REGISTRY)
+EVICTIONS = Counter("kvstore_evictions", "Blocks evicted from a node's pool", ["node_id", "cause"],
                     registry=REGISTRY)
 POOL_USED_BYTES = Gauge("kvstore_pool_used_bytes", "Bytes allocated in a node's pool",
                         ["node_id"], registry=REGISTRY)
@@ -52,7 +85,9 @@ POOL_PINNED_BLOCKS = Gauge("kvstore_pool_pinned_blocks", "Pinned blocks in a nod
                            ["node_id"], registry=REGISTRY)
 POOL_LEASED_BLOCKS = Gauge("kvstore_pool_leased_blocks", "Leased blocks in a node's pool",
                            ["node_id"], registry=REGISTRY)
-# The coordinator's view of the cluster (set in the coordinator actor's process).
+# -- the coordinator's view of the cluster (set in the coordinator actor's process) -------------
+COORD_BLOCKS = Gauge("kvstore_coordinator_blocks", "Blocks the coordinator's table tracks",
+                     registry=REGISTRY)
 COORD_DRIFT = Counter("kvstore_coordinator_drift_blocks",
                       "Index entries fixed when nodes re-announced (added: missing from the "
                       "index, removed: the node no longer had them)", ["kind"], registry=REGISTRY)
@@ -68,64 +103,66 @@ COORD_NODES_ALIVE = Gauge("kvstore_coordinator_nodes_alive", "Store nodes heartb
                           registry=REGISTRY)
 COORD_PINS = Gauge("kvstore_coordinator_pins", "Pinned block keys", ["kind"],
                    registry=REGISTRY)
-# The workers (set in each prefill/decode worker's process).
+# -- the workers (set in each prefill/decode worker's process; served only if it serves) --------
 REUSE_POLICY = Gauge("kvstore_worker_reuse_policy",
                      "A worker's reuse policy in force (1): where hits resume, the smallest "
                      "piece a chunk is computed in, and whether reuse is bitwise",
                      ["mode", "resume", "min_piece", "exact"], registry=REGISTRY)
-PREFILL_TOKENS = Counter("kvstore_prefill_tokens",
-                         "Prompt tokens by where their KV came from: cached (reused), "
-                         "unreused_shared (cached but recomputed), computed",
-                         ["kind"], registry=REGISTRY)
+
+# Every fixed label value starts at zero, so a scrape shows 0 rather than no series at all
+# (rate() and absent-series alerts then work from the first scrape).
+for _path in PATHS:
+    for _series in (FETCHED_BLOCKS, FETCHED_BYTES, FETCH_LATENCY, SERVED_BLOCKS, SERVED_BYTES):
+        _series.labels(path=_path)
+for _reason in MISS_REASONS:
+    MISSES.labels(reason=_reason)
+for _refusal in REJECT_REASONS:
+    REJECTED.labels(reason=_refusal)
+for _source in STORE_SOURCES:
+    STORED_BLOCKS.labels(source=_source)
+    STORED_BYTES.labels(source=_source)
+for _kind in PREFILL_KINDS:
+    PREFILL_TOKENS.labels(kind=_kind)
+for _kind in ("added", "removed"):
+    COORD_DRIFT.labels(kind=_kind)
 
 _servers: list[WSGIServer] = []
 
 
-def _check(value: str, allowed: tuple[str, ...], what: str) -> str:
-    if value not in allowed:
-        raise ValueError(f"unknown metrics {what} {value!r}; use one of {list(allowed)}")
-    return value
+# -- a store node -------------------------------------------------------------------------------
+def record_served(path: str, num_blocks: int, nbytes: int) -> None:
+    """Count blocks a node served over ``path`` (grpc | bulk | shm)."""
+    check_label(path, PATHS, "path")
+    SERVED_BLOCKS.labels(path=path).inc(num_blocks)
+    SERVED_BYTES.labels(path=path).inc(nbytes)
 
 
-def record_in(path: str, num_blocks: int, nbytes: int) -> None:
-    """Count blocks received over ``path`` (grpc | bulk | shm)."""
-    _check(path, PATHS, "path")
-    BLOCKS_IN.labels(path=path).inc(num_blocks)
-    BYTES_IN.labels(path=path).inc(nbytes)
+def record_stored(source: str, num_blocks: int, nbytes: int) -> None:
+    """Count blocks stored into a node's pool from ``source`` (put | replica)."""
+    check_label(source, STORE_SOURCES, "store source")
+    STORED_BLOCKS.labels(source=source).inc(num_blocks)
+    STORED_BYTES.labels(source=source).inc(nbytes)
 
 
-def record_out(path: str, num_blocks: int, nbytes: int) -> None:
-    """Count blocks served over ``path`` (grpc | bulk | shm)."""
-    _check(path, PATHS, "path")
-    BLOCKS_OUT.labels(path=path).inc(num_blocks)
-    BYTES_OUT.labels(path=path).inc(nbytes)
-
-
-def observe_fetch(path: str, seconds: float) -> None:
-    """Record one batch fetch's latency."""
-    FETCH_LATENCY.labels(path=_check(path, PATHS, "path")).observe(seconds)
-
-
-def record_hits(num_blocks: int = 1) -> None:
-    HITS.inc(num_blocks)
-
-
-def record_miss(reason: MissReason, num_blocks: int = 1) -> None:
-    """Count misses by one of the ``kvstore.api.MISS_*`` reasons."""
-    MISSES.labels(reason=_check(reason, MISS_REASONS, "miss reason")).inc(num_blocks)
+def observe_put(seconds: float) -> None:
+    """Record one Put call's latency at the node."""
+    PUT_LATENCY.observe(seconds)
 
 
 def record_rejected(reason: str, num_blocks: int = 1) -> None:
-    """Count refused blocks by one of ``REJECT_REASONS``."""
-    REJECTED.labels(reason=_check(reason, REJECT_REASONS, "reject reason")).inc(num_blocks)
+    """Count blocks a node refused on the way in, by one of ``REJECT_REASONS``."""
+    REJECTED.labels(reason=check_label(reason, REJECT_REASONS, "reject reason")).inc(num_blocks)
 
 
-def record_evictions(node_id: str, num_blocks: int) -> None:
-    EVICTIONS.labels(node_id=node_id).inc(num_blocks)
+def record_evictions(node_id: str, cause: str, num_blocks: int) -> None:
+    """Count blocks a node evicted, by one of ``EVICTION_CAUSES``."""
+    check_label(cause, EVICTION_CAUSES, "eviction cause")
+    if num_blocks:
+        EVICTIONS.labels(node_id=node_id, cause=cause).inc(num_blocks)
 
 
 def observe_pool(node_id: str, stats: PoolStats) -> None:
-    """Publish a pool's occupancy (call after changes or on each heartbeat)."""
+    """Publish a pool's occupancy once (``watch_pool`` keeps it current instead)."""
     POOL_USED_BYTES.labels(node_id=node_id).set(stats.used_bytes)
     POOL_CAPACITY_BYTES.labels(node_id=node_id).set(stats.capacity_bytes)
     POOL_BLOCKS.labels(node_id=node_id).set(stats.num_blocks)
@@ -133,6 +170,62 @@ def observe_pool(node_id: str, stats: PoolStats) -> None:
     POOL_LEASED_BLOCKS.labels(node_id=node_id).set(stats.num_leased)
 
 
+def watch_pool(node_id: str, stats: Callable[[], PoolStats]) -> None:
+    """Read the pool gauges from ``stats()`` at every scrape, so they are never a beat old."""
+    def reader(field: str) -> Callable[[], float]:
+        return lambda: float(getattr(stats(), field))
+
+    for gauge, field in ((POOL_USED_BYTES, "used_bytes"), (POOL_CAPACITY_BYTES, "capacity_bytes"),
+                         (POOL_BLOCKS, "num_blocks"), (POOL_PINNED_BLOCKS, "num_pinned"),
+                         (POOL_LEASED_BLOCKS, "num_leased")):
+        gauge.labels(node_id=node_id).set_function(reader(field))
+    for cause in EVICTION_CAUSES:  # zero until the first eviction, not absent
+        EVICTIONS.labels(node_id=node_id, cause=cause)
+
+
+def forget_node(node_id: str) -> None:
+    """Drop a departed node's series so dashboards do not show a dead node's last values."""
+    for gauge in (POOL_USED_BYTES, POOL_CAPACITY_BYTES, POOL_BLOCKS, POOL_PINNED_BLOCKS,
+                  POOL_LEASED_BLOCKS):
+        try:
+            gauge.remove(node_id)
+        except KeyError:
+            pass  # the node never reported this series
+    for cause in EVICTION_CAUSES:
+        try:
+            EVICTIONS.remove(node_id, cause)
+        except KeyError:
+            pass
+
+
+def apply_reader_tally(tally: ReaderTally) -> None:
+    """Record a reader's pushed tally; ValueError (nothing recorded) on an unknown label."""
+    for reason in tally.misses:
+        check_label(reason, MISS_REASONS, "miss reason")
+    for reason in tally.rejected:
+        check_label(reason, REJECT_REASONS, "reject reason")
+    for path in (*tally.fetched_blocks, *tally.fetched_bytes, *tally.fetch_seconds):
+        check_label(path, PATHS, "path")
+    for kind in tally.prefill_tokens:
+        check_label(kind, PREFILL_KINDS, "prefill token kind")
+    if tally.hits:
+        HITS.inc(tally.hits)
+    for series, counts in ((MISSES, tally.misses), (REJECTED, tally.rejected)):
+        for reason, n in counts.items():
+            series.labels(reason=reason).inc(n)
+    for series, counts in ((FETCHED_BLOCKS, tally.fetched_blocks),
+                           (FETCHED_BYTES, tally.fetched_bytes)):
+        for path, n in counts.items():
+            series.labels(path=path).inc(n)
+    for path, seconds in tally.fetch_seconds.items():
+        child = FETCH_LATENCY.labels(path=path)
+        for s in seconds:
+            child.observe(s)
+    for kind, n in tally.prefill_tokens.items():
+        PREFILL_TOKENS.labels(kind=kind).inc(n)
+
+
+# -- the coordinator ----------------------------------------------------------------------------
 def observe_coordinator(nodes_alive: int, pins: dict[str, int]) -> None:
     """Publish the coordinator's live-node count and pin counts (``{"hard": n, "soft": m}``)."""
     COORD_NODES_ALIVE.set(nodes_alive)
@@ -140,20 +233,9 @@ def observe_coordinator(nodes_alive: int, pins: dict[str, int]) -> None:
         COORD_PINS.labels(kind=kind).set(pins.get(kind, 0))
 
 
-def observe_reuse_policy(policy: dict[str, object]) -> None:
-    """Publish the reuse policy a worker runs with (``ReusePolicy.as_dict``)."""
-    sizes = policy["piece_sizes"]
-    REUSE_POLICY.labels(mode=str(policy["mode"]), resume=str(policy["resume"]),
-                        min_piece=str(sizes[0]) if isinstance(sizes, list) and sizes else "any",
-                        exact=str(policy["exact"]).lower()).set(1)
-
-
-def record_prefill_tokens(cached: int, unreused_shared: int, computed: int) -> None:
-    """Count one prefill's prompt tokens by where their KV came from."""
-    for kind, n in (("cached", cached), ("unreused_shared", unreused_shared),
-                    ("computed", computed)):
-        if n:
-            PREFILL_TOKENS.labels(kind=kind).inc(n)
+def watch_coordinator_table(num_blocks: Callable[[], int]) -> None:
+    """Read the coordinator's table size at every scrape."""
+    COORD_BLOCKS.set_function(lambda: float(num_blocks()))
 
 
 def record_drift(added: int, removed: int) -> None:
@@ -164,21 +246,39 @@ def record_drift(added: int, removed: int) -> None:
         COORD_DRIFT.labels(kind="removed").inc(removed)
 
 
-def forget_node(node_id: str) -> None:
-    """Drop a departed node's series so dashboards do not show a dead node's last values."""
-    for metric in (EVICTIONS, POOL_USED_BYTES, POOL_CAPACITY_BYTES, POOL_BLOCKS,
-                   POOL_PINNED_BLOCKS, POOL_LEASED_BLOCKS):
-        try:
-            metric.remove(node_id)
-        except KeyError:
-            pass  # the node never reported this series
+# -- a worker -----------------------------------------------------------------------------------
+def observe_reuse_policy(policy: dict[str, object]) -> None:
+    """Publish the reuse policy a worker runs with (``ReusePolicy.as_dict``)."""
+    sizes = policy["piece_sizes"]
+    REUSE_POLICY.labels(mode=str(policy["mode"]), resume=str(policy["resume"]),
+                        min_piece=str(sizes[0]) if isinstance(sizes, list) and sizes else "any",
+                        exact=str(policy["exact"]).lower()).set(1)
 
 
-def start_metrics_server(port: int = 0, addr: str = "0.0.0.0") -> int:
-    """Serve ``REGISTRY`` over HTTP at ``/metrics``; port 0 picks a free port. Returns it."""
+# -- serving ------------------------------------------------------------------------------------
+def start_metrics_server(port: int = 0, addr: str = "127.0.0.1") -> int:
+    """Serve ``REGISTRY`` over HTTP at ``/metrics``; port 0 picks a free port. Returns it.
+
+    Loopback unless told otherwise: the series name nodes and key counts, which is nobody's
+    business off the machine unless an operator says so (``server.metrics_host``).
+    """
     server, _thread = start_http_server(port, addr=addr, registry=REGISTRY)
     _servers.append(server)
     return int(server.server_port)
+
+
+def serve_metrics(port: int | None, host: str, advertise_ip: str, what: str) -> str | None:
+    """Start this process's /metrics server; the ``host:port`` to advertise, or None when
+    ``port`` is None (off) or taken: the component still runs, and logs why it has no metrics."""
+    if port is None:
+        return None
+    try:
+        bound = start_metrics_server(port, addr=host)
+    except OSError as exc:
+        log.error("kvstore %s cannot serve metrics on %s:%s: %s (pick a free metrics_port, or "
+                  "0)", what, host, port, exc)
+        return None
+    return f"{advertise_ip if host in ('0.0.0.0', '::', '') else host}:{bound}"
 
 
 def stop_metrics_servers() -> None:

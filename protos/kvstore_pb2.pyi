@@ -201,3 +201,64 @@ class KeyPage(_message.Message):
     KEYS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedCompositeFieldContainer[KeyInfo]
     def __init__(self, keys: _Optional[_Iterable[_Union[KeyInfo, _Mapping]]] = ...) -> None: ...
+
+class ReaderReport(_message.Message):
+    __slots__ = ("hits", "misses", "rejected", "fetched_blocks", "fetched_bytes", "fetch_seconds", "prefill_tokens")
+    class MissesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class RejectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class FetchedBlocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class FetchedBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PrefillTokensEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FETCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    hits: int
+    misses: _containers.ScalarMap[str, int]
+    rejected: _containers.ScalarMap[str, int]
+    fetched_blocks: _containers.ScalarMap[str, int]
+    fetched_bytes: _containers.ScalarMap[str, int]
+    fetch_seconds: _containers.RepeatedCompositeFieldContainer[FetchTimes]
+    prefill_tokens: _containers.ScalarMap[str, int]
+    def __init__(self, hits: _Optional[int] = ..., misses: _Optional[_Mapping[str, int]] = ..., rejected: _Optional[_Mapping[str, int]] = ..., fetched_blocks: _Optional[_Mapping[str, int]] = ..., fetched_bytes: _Optional[_Mapping[str, int]] = ..., fetch_seconds: _Optional[_Iterable[_Union[FetchTimes, _Mapping]]] = ..., prefill_tokens: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class FetchTimes(_message.Message):
+    __slots__ = ("path", "seconds")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, path: _Optional[str] = ..., seconds: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -89,6 +89,11 @@ class StoreNodeStub:
                 request_serializer=protos_dot_kvstore__pb2.ListKeysRequest.SerializeToString,
                 response_deserializer=protos_dot_kvstore__pb2.KeyPage.FromString,
                 _registered_method=True)
+        self.ReportReads = channel.unary_unary(
+                '/kvstore.v1.StoreNode/ReportReads',
+                request_serializer=protos_dot_kvstore__pb2.ReaderReport.SerializeToString,
+                response_deserializer=protos_dot_kvstore__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class StoreNodeServicer:
@@ -160,6 +165,12 @@ class StoreNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportReads(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +228,11 @@ def add_StoreNodeServicer_to_server(servicer, server):
                     servicer.ListKeys,
                     request_deserializer=protos_dot_kvstore__pb2.ListKeysRequest.FromString,
                     response_serializer=protos_dot_kvstore__pb2.KeyPage.SerializeToString,
+            ),
+            'ReportReads': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportReads,
+                    request_deserializer=protos_dot_kvstore__pb2.ReaderReport.FromString,
+                    response_serializer=protos_dot_kvstore__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -516,6 +532,33 @@ class StoreNode:
             '/kvstore.v1.StoreNode/ListKeys',
             protos_dot_kvstore__pb2.ListKeysRequest.SerializeToString,
             protos_dot_kvstore__pb2.KeyPage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportReads(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.StoreNode/ReportReads',
+            protos_dot_kvstore__pb2.ReaderReport.SerializeToString,
+            protos_dot_kvstore__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,12 +18,14 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from kvstore import metrics
 from kvstore.api import NodeAddress, PoolStats
 from kvstore.block import BlockHeader, verify_block_self
 from kvstore.cluster.names import arena_glob, arena_name, coordinator_handle
@@ -95,7 +97,9 @@ class StoreNode:
         )
         self.server.start()
         grpc_address, bulk_address = self.server.addresses
-        self.address = NodeAddress(self.node_id, grpc_address, bulk_address, self.pool.path)
+        self.address = NodeAddress(self.node_id, grpc_address, bulk_address, self.pool.path,
+                                   start_node_metrics(config.server, ip, self.node_id,
+                                                      self.pool.stats))
         self.epoch = -1
         self.num_registrations = 0
         self._register()
@@ -129,6 +133,8 @@ class StoreNode:
         self._stop.set()
         self._thread.join(timeout=5)
         self.server.stop(grace=0.5)
+        metrics.stop_metrics_servers()
+        metrics.forget_node(self.node_id)
         self.pool.close()
         if self._redis is not None:
             self._redis.close()
@@ -192,14 +198,20 @@ class StoreNode:
             keys = self._call("request_eviction", self.node_id, nbytes)
         except (RayActorError, GetTimeoutError, NodeUnavailable):
             return False  # no coordinator: refuse the Put rather than guess
-        return self._evict(keys) > 0
+        return self._evict(keys, ["capacity"] * len(keys)) > 0
 
-    def _evict(self, keys: Sequence[bytes]) -> int:
-        """Evict what the pool allows (never leased or pinned) and tell the index."""
+    def _evict(self, keys: Sequence[bytes], causes: Sequence[str]) -> int:
+        """Evict what the pool allows (never leased or pinned), count it by cause (one per
+        key; ``watermark`` where missing) and tell the index."""
         if not keys:
             return 0
+        held = [k for k in keys if self.pool.contains(k)]
         freed = self.pool.evict(list(keys))
         gone = [k for k in keys if not self.pool.contains(k)]
+        cause_of = dict(zip(keys, causes, strict=False))
+        evicted = Counter(cause_of.get(k, "watermark") for k in held if not self.pool.contains(k))
+        for cause, n in evicted.items():
+            metrics.record_evictions(self.node_id, cause, n)
         for k in gone:
             self.server.forget(k)
         if gone:
@@ -227,7 +239,7 @@ class StoreNode:
         if reply.epoch != self.epoch or getattr(reply, "reannounce", False):
             # The coordinator restarted, or declared us dead: tell it everything we hold.
             self._register()
-        self._evict(reply.evict)
+        self._evict(reply.evict, getattr(reply, "evict_causes", []))
         for order in reply.replicate:
             self._replicate(order.keys, order.source)
 
@@ -247,6 +259,7 @@ class StoreNode:
                                           header.namespace_root))
         if entries:
             self._on_publish(entries)
+            metrics.record_stored("replica", len(entries), sum(e.nbytes for e in entries))
 
     def _heartbeat_loop(self) -> None:
         interval = self.config.coordinator.heartbeat_interval_s
@@ -317,6 +330,15 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def start_node_metrics(config: ServerConfig, ip: str, node_id: str,
+                       stats: Callable[[], PoolStats]) -> str | None:
+    """Serve this process's /metrics on ``server.metrics_port``; returns ``host:port`` to
+    advertise, or None when it is off or its port is taken (the node still serves blocks)."""
+    metrics.watch_pool(node_id, stats)
+    return metrics.serve_metrics(config.metrics_port, config.metrics_host, ip,
+                                 f"store node {node_id[:12]}")
 
 
 def _server_config(config: ServerConfig, ip: str) -> ServerConfig:

@@ -30,6 +30,7 @@ from typing import Any
 from kvstore import metrics as prom
 from kvstore.api import NodeAddress, PoolStats, PrefixHit
 from kvstore.config import KVStoreConfig
+from kvstore.coordinator.catalog import NamespaceTable, listing
 from kvstore.coordinator.liveness import NodeState, NodeStatus, NodeTable
 from kvstore.coordinator.lru import PIN_HARD, PIN_NONE, PIN_SOFT, LRUTable
 from kvstore.coordinator.messages import HeartbeatReply, ReplicateOrder, node_json
@@ -59,6 +60,7 @@ class CoordinatorCore:
             index = TableIndex() if config.index.backend == "memory" else make_index(config.index)
         self.index: Index = index
         self.pins = PinTable()
+        self.namespaces = NamespaceTable()  # described by workers, for `kvstore ls`
         self.nodes = NodeTable(self.cfg.node_timeout_s)
         self.dead: dict[str, NodeStatus] = {}
         self.hot: Counter[tuple[bytes, str]] = Counter()
@@ -73,6 +75,7 @@ class CoordinatorCore:
             self._lock = threading.RLock()
         self._reload()
         self.index.set_marker(self.epoch)
+        prom.watch_coordinator_table(lambda: self.lru.num_blocks)
 
     def _ensure(self, node_id: str, now: float) -> NodeState:
         """The node's state; in embedded mode its slot is its bit in the index."""
@@ -176,8 +179,9 @@ class CoordinatorCore:
         for d in draining:
             masks = self.lru.holder_masks(keys)
             bit = 1 << d.slot
-            d.pending_evict.extend(k for k, m in zip(keys, masks.tolist(), strict=True)
-                                   if m & bit)
+            mine = [k for k, m in zip(keys, masks.tolist(), strict=True) if m & bit]
+            d.pending_evict.extend(mine)
+            d.evict_cause.update(dict.fromkeys(mine, "drain"))
 
     # -- the data path's calls -------------------------------------------------------------
 
@@ -241,8 +245,8 @@ class CoordinatorCore:
                 self._touch(touched, now)
             self._count_remote_reads(node, remote_reads)
             self._expire_pins(now)
-            evict = node.pending_evict
-            node.pending_evict = []
+            evict, causes = node.pending_evict, node.evict_cause
+            node.pending_evict, node.evict_cause = [], {}
             cap = node.capacity_bytes
             if cap and stats.used_bytes > self.cfg.high_watermark * cap:
                 target = stats.used_bytes - int(self.cfg.low_watermark * cap)
@@ -258,7 +262,8 @@ class CoordinatorCore:
             prom.COORD_EVICT_ORDERS.inc(len(evict))
             self._observe()
             return HeartbeatReply(self.epoch, evict, replicate,
-                                  reannounce=came_back or node.address is None)
+                                  reannounce=came_back or node.address is None,
+                                  evict_causes=[causes.get(k, "watermark") for k in evict])
 
     def request_eviction(self, node_id: str, nbytes_needed: int) -> list[bytes]:
         """What a full node should evict right now to fit ``nbytes_needed`` more bytes."""
@@ -373,19 +378,39 @@ class CoordinatorCore:
 
     # -- operator calls --------------------------------------------------------------------
 
-    def pin(self, keys: Sequence[bytes], *, hard: bool, ttl_s: float | None) -> int:
-        """Pin keys (hard: never evicted; soft: evicted last, expires after ``ttl_s``)."""
+    def pin(self, keys: Sequence[bytes], *, hard: bool, ttl_s: float | None,
+            ahead: bool = True) -> tuple[int, int]:
+        """Pin keys (hard: never evicted; soft: evicted last, expires after ``ttl_s``).
+
+        Returns ``(pinned, cached)``. ``ahead``: pin keys nobody holds yet too (the pin applies
+        when they are published); otherwise only the cached ones, so a mistyped key pins
+        nothing instead of a pin that never applies.
+        """
         check_keys(keys)
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0 seconds or None, got {ttl_s}")
         if not hard and ttl_s is None:
             ttl_s = self.cfg.soft_pin_ttl_s
         with self._lock:
+            cached = [k for k, s in zip(keys, self.lru.lookup(keys).tolist(), strict=True)
+                      if s >= 0]
+            chosen = list(keys) if ahead else cached
             expires = None if ttl_s is None else self.clock() + ttl_s
-            self.pins.pin(keys, hard=hard, expires_at=expires)
-            self.lru.set_pin(keys, PIN_HARD if hard else PIN_SOFT)
+            self.pins.pin(chosen, hard=hard, expires_at=expires)
+            self.lru.set_pin(chosen, PIN_HARD if hard else PIN_SOFT)
             self._observe()
-            return len(keys)
+            return len(chosen), len(cached)
+
+    def num_cached(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys`` some node holds."""
+        check_keys(keys)
+        with self._lock:
+            return int((self.lru.lookup(keys) >= 0).sum())
+
+    def listing(self, limit: int = 20) -> dict[str, Any]:
+        """The ``kvstore ls`` view: namespaces and the ``limit`` most recent cached prefixes."""
+        with self._lock:
+            return listing(self.lru, self.index, self.namespaces, limit)
 
     def unpin(self, keys: Sequence[bytes]) -> int:
         """Remove pins; returns how many keys were pinned."""
@@ -422,10 +447,12 @@ class CoordinatorCore:
             for key, size, mask in zip(keys, sizes, masks, strict=True):
                 if any(mask >> t.slot & 1 for t in targets):
                     node.pending_evict.append(key)  # another node already has a copy
+                    node.evict_cause[key] = "drain"
                     continue
                 dest = max(targets, key=lambda t: room[t.node_id], default=None)
                 if dest is None or room[dest.node_id] < size:
                     node.pending_evict.append(key)
+                    node.evict_cause[key] = "drain"
                     continue
                 room[dest.node_id] -= size
                 dest.pending_replicate.setdefault(node_id, []).append(key)
@@ -450,17 +477,32 @@ class CoordinatorCore:
         with self._lock:
             keys = sorted(set(self.index.keys_of_namespace(namespace_root))
                           | set(self.lru.namespace_keys(namespace_root)))
-            if not keys:
-                return 0
-            masks = self.lru.holder_masks(keys).tolist()
-            for node in self.nodes.nodes.values():
-                mine = [k for k, m in zip(keys, masks, strict=True) if m >> node.slot & 1]
-                if mine:
-                    node.pending_evict.extend(mine)
-                    self._remove(node, mine)
-            self.unpin(keys)
-            self.metrics["invalidated"] += len(keys)
-            return len(keys)
+            return self._evict_everywhere(keys)
+
+    def invalidate_keys(self, keys: Sequence[bytes]) -> int:
+        """Evict exactly ``keys`` everywhere (``kvstore invalidate --prompts``); returns how
+        many were cached. Longer prefixes built on them stay until the LRU takes them: a
+        lookup stops at the first missing block, so nothing reads them meanwhile."""
+        check_keys(keys)
+        with self._lock:
+            slots = self.lru.lookup(keys).tolist()
+            return self._evict_everywhere(sorted({k for k, s in zip(keys, slots, strict=True)
+                                                  if s >= 0}))
+
+    def _evict_everywhere(self, keys: list[bytes]) -> int:
+        """Order every holder of ``keys`` to drop them, forget them and their pins."""
+        if not keys:
+            return 0
+        masks = self.lru.holder_masks(keys).tolist()
+        for node in self.nodes.nodes.values():
+            mine = [k for k, m in zip(keys, masks, strict=True) if m >> node.slot & 1]
+            if mine:
+                node.pending_evict.extend(mine)
+                node.evict_cause.update(dict.fromkeys(mine, "invalidate"))
+                self._remove(node, mine)
+        self.unpin(keys)
+        self.metrics["invalidated"] += len(keys)
+        return len(keys)
 
     def status(self, top_k: int = 10) -> dict[str, Any]:
         """A json-able operator view: key hashes and counts, never tokens."""
@@ -485,6 +527,6 @@ class CoordinatorCore:
                           "removed": self.metrics["drift_removed"]},
                 "pins": self.pins.counts(),
                 "metrics": dict(self.metrics),
-                "top_prefixes": [{"key": k[:8].hex(), "touches": c}
+                "top_prefixes": [{"key": k.hex(), "touches": c}  # full: pin takes it
                                  for k, c in self.lru.top(top_k)],
             }

@@ -50,6 +50,8 @@ class NodeState:
     #: keys ordered evicted since the node's last heartbeat (not planned twice meanwhile)
     ordered: set[bytes] = field(default_factory=set)
     pending_evict: list[bytes] = field(default_factory=list)
+    #: why a pending key goes (drain, invalidate); the watermark plan's keys are not in it
+    evict_cause: dict[bytes, str] = field(default_factory=dict)
     pending_replicate: dict[str, list[bytes]] = field(default_factory=dict)
 
     @property

@@ -27,18 +27,22 @@ class HeartbeatReply:
     """What a node must do: evict these, replicate those; re-register if the epoch changed.
 
     ``reannounce`` is set when the coordinator had declared the node dead (its keys left the
-    index) and it came back: it must re-register with everything it holds.
+    index) and it came back: it must re-register with everything it holds. ``evict_causes``
+    says why each of ``evict`` goes (``kvstore.metrics.EVICTION_CAUSES``), for the node's
+    eviction counter; missing entries mean ``watermark``.
     """
 
     epoch: int
     evict: list[bytes] = field(default_factory=list)
     replicate: list[ReplicateOrder] = field(default_factory=list)
     reannounce: bool = False
+    evict_causes: list[str] = field(default_factory=list)
 
 
 def node_json(n: NodeStatus) -> dict[str, Any]:
     """One node of ``status()['nodes']``."""
     return {"node_id": n.node_id, "address": n.address.grpc_address if n.address else None,
+            "metrics_address": n.address.metrics_address if n.address else None,
             "capacity_bytes": n.capacity_bytes, "used_bytes": n.used_bytes, "blocks": n.blocks,
             "hits": n.hits, "misses": n.misses, "evictions": n.evictions, "alive": n.alive,
             "draining": n.draining, "last_heartbeat": n.last_heartbeat}

@@ -270,7 +270,7 @@ class BulkServer:
             for offset, nbytes in _coalesce([loc for loc in locs if loc is not None]):
                 conn.sendall(arena.view(offset, nbytes))
                 total += nbytes
-            count_out("bulk", len(where), total)
+            metrics.record_served("bulk", len(where), total)
         finally:
             self.pool.release(lease.lease_id)
         return True
@@ -428,12 +428,3 @@ class BulkClient:
         for sock in idle:
             sock.close()
 
-
-def count_out(path: str, num_blocks: int, nbytes: int) -> None:
-    """Count blocks served (kept here so server and client share one spelling)."""
-    metrics.record_out(path, num_blocks, nbytes)
-
-
-def count_in(path: str, num_blocks: int, nbytes: int) -> None:
-    """Count blocks received."""
-    metrics.record_in(path, num_blocks, nbytes)

@@ -29,9 +29,16 @@ from kvstore.errors import (
     NodeUnavailable,
 )
 from kvstore.keys import Namespace
-from kvstore.node.bulk import BulkClient, count_in
+from kvstore.node.bulk import BulkClient
 from kvstore.node.pool import BlockLocation
-from kvstore.node.wire import AUTH_HEADER, error_from_rpc, grpc_options, spec_from_namespace
+from kvstore.node.wire import (
+    AUTH_HEADER,
+    error_from_rpc,
+    grpc_options,
+    spec_from_namespace,
+    tally_to_proto,
+)
+from kvstore.reader_metrics import ReaderTally
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 
@@ -185,8 +192,6 @@ class StoreNodeClient:
                 return memoryview(buf)
 
             sizes = self._bulk.fetch_into(keys, alloc)
-            count_in("bulk", sum(s is not None for s in sizes),
-                     sum(s for s in sizes if s is not None))
             return [b if s is not None else None for b, s in zip(out, sizes, strict=True)]
         return self._call(lambda: self._grpc_get(keys))
 
@@ -209,7 +214,6 @@ class StoreNodeClient:
                 found[msg.key] = partial.pop(msg.key)
         if partial:  # the stream ended inside a block: none of it may be used
             raise NodeUnavailable(f"{self.address} ended the Get stream inside a block")
-        count_in("grpc", len(found), sum(len(b) for b in found.values()))
         return [found.get(k) for k in keys]
 
     def get_blocks_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]
@@ -225,9 +229,7 @@ class StoreNodeClient:
         if self.same_node:
             return self._shm_get_into(keys, buffers)
         if self._bulk is not None:
-            got = self._bulk.fetch_into(keys, lambda i, n: _byte_view(buffers[i]))
-            count_in("bulk", sum(s is not None for s in got), sum(s for s in got if s is not None))
-            return got
+            return self._bulk.fetch_into(keys, lambda i, n: _byte_view(buffers[i]))
         sizes: list[int | None] = []
         for data, buf in zip(self._call(lambda: self._grpc_get(keys)), buffers, strict=True):
             if data is None:
@@ -280,9 +282,7 @@ class StoreNodeClient:
 
         if self._bulk is not None:
             # Verified request by request, while the node already streams the next one.
-            sizes = self._bulk.fetch_into(keys, lambda i, n: _byte_view(buffers[i]), verify)
-            count_in("bulk", sum(s is not None for s in sizes),
-                     sum(s for s in sizes if s is not None))
+            self._bulk.fetch_into(keys, lambda i, n: _byte_view(buffers[i]), verify)
         else:
             verify(0, self.get_blocks_into(keys, buffers))
         return out
@@ -301,7 +301,6 @@ class StoreNodeClient:
             # Renew inline, between blocks, once a third of the TTL has gone: a block copies
             # in milliseconds, and a renewal thread per fetch would cost more than it saves.
             out: list[Any] = []
-            nbytes = 0
             for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
                 if time.monotonic() - granted > self.lease_ttl_s / 3:
                     renewing = time.monotonic()
@@ -312,7 +311,6 @@ class StoreNodeClient:
                     out.append(None)
                 elif namespace is None:
                     out.append(reader.copy_into(loc, buf))
-                    nbytes += loc.nbytes
                 else:
                     tokens = None if token_ids is None else token_ids[i]
                     try:
@@ -323,10 +321,8 @@ class StoreNodeClient:
                         out.append(exc.with_traceback(None))
                         continue
                     out.append(loc.nbytes)
-                    nbytes += loc.nbytes
             if time.monotonic() - granted >= self.lease_ttl_s:  # stalled past the TTL mid-copy
                 raise LeaseExpired(f"lease {lease.lease_id} on {self.address} ended mid-copy")
-            count_in("shm", len(where), nbytes)
             return out
         finally:
             self.release_nowait(lease.lease_id)
@@ -396,6 +392,19 @@ class StoreNodeClient:
         r = self._unary(self._stub.Health, pb.Empty())
         return NodeHealth(r.node_id, r.serving, r.grpc_address, r.bulk_address or None,
                           r.shm_path)
+
+    def report_reads(self, tally: ReaderTally, timeout_s: float = 2.0) -> None:
+        """Push a reader's metrics tally to this node, which serves it on its /metrics.
+
+        One try with a short deadline: a failed push is kept for the next one, and a reader
+        closing next to a dead node must not wait ``timeout_s`` times the retries for it.
+        """
+        message = tally_to_proto(tally)
+        try:
+            self._stub.ReportReads(message, timeout=min(timeout_s, self.config.timeout_s),
+                                   metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, self.address) from None
 
     def list_keys(self, page_size: int = 1024) -> list[HeldBlock]:
         def run() -> list[HeldBlock]:

@@ -35,9 +35,15 @@ from kvstore.errors import (
 )
 from kvstore.index.base import IndexEntry
 from kvstore.keys import Namespace
-from kvstore.node.bulk import BulkServer, count_in, count_out
+from kvstore.node.bulk import BulkServer
 from kvstore.node.pool import ServedPool
-from kvstore.node.wire import AuthInterceptor, grpc_options, namespace_from_spec, status_for
+from kvstore.node.wire import (
+    AuthInterceptor,
+    grpc_options,
+    namespace_from_spec,
+    status_for,
+    tally_from_proto,
+)
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 
@@ -74,6 +80,7 @@ class _Servicer(pb_grpc.StoreNodeServicer):
     # -- data -----------------------------------------------------------------------------
     def Put(self, request_iterator: Iterator[pb.PutChunk], context: grpc.ServicerContext
             ) -> pb.PutResponse:
+        started = time.perf_counter()
         entries: list[IndexEntry] = []
         num_existing = 0
         current: _PutBlock | None = None
@@ -113,10 +120,11 @@ class _Servicer(pb_grpc.StoreNodeServicer):
             if current is not None and current.reservation is not None:
                 self.pool.abort(current.reservation)
             self._publish(entries, context)  # the blocks verified before the bad one are good
-            metrics_put(entries)
+            count_stored(entries)
             _abort(context, exc)
         self._publish(entries, context)
-        metrics_put(entries)
+        count_stored(entries)
+        metrics.observe_put(time.perf_counter() - started)
         return pb.PutResponse(num_stored=len(entries), num_existing=num_existing)
 
     def _begin_block(self, msg: pb.PutChunk) -> _PutBlock:
@@ -171,7 +179,7 @@ class _Servicer(pb_grpc.StoreNodeServicer):
                 yield pb.GetChunk(key=key, found=False)
                 continue
             self.s.record_reads([key], request.reader_node_id)
-            count_out("grpc", 1, total)
+            metrics.record_served("grpc", 1, total)
             for i, data in enumerate(parts):
                 yield pb.GetChunk(key=key, found=True, total_nbytes=total, offset=i * chunk,
                                   data=data)
@@ -186,6 +194,7 @@ class _Servicer(pb_grpc.StoreNodeServicer):
             _abort(context, exc)
         lease_id = self.s.track_lease(lease)
         got = {loc.key for loc in lease.locations}
+        metrics.record_served("shm", len(got), sum(loc.nbytes for loc in lease.locations))
         self.s.record_reads([k for k in keys if k in got], request.reader_node_id)
         return pb.LeaseResponse(
             lease_id=lease_id,
@@ -240,6 +249,7 @@ class _Servicer(pb_grpc.StoreNodeServicer):
 
     def Evict(self, request: pb.KeysRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
         keys = list(request.keys)
+        held = [k for k in keys if self.pool.contains(k)]
         try:
             freed = self.pool.evict(keys)
         except KVStoreError as exc:
@@ -247,6 +257,8 @@ class _Servicer(pb_grpc.StoreNodeServicer):
         for key in keys:
             if not self.pool.contains(key):
                 self.s.forget(key)
+        metrics.record_evictions(self.s.node_id, "admin",
+                                 sum(not self.pool.contains(k) for k in held))
         return pb.EvictResponse(bytes_freed=int(freed))
 
     def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatsResponse:
@@ -268,6 +280,14 @@ class _Servicer(pb_grpc.StoreNodeServicer):
         grpc_addr, bulk_addr = self.s.addresses
         return pb.HealthResponse(node_id=self.s.node_id, serving=True, grpc_address=grpc_addr,
                                  bulk_address=bulk_addr or "", shm_path=self.pool.path)
+
+    def ReportReads(self, request: pb.ReaderReport, context: grpc.ServicerContext) -> pb.Empty:
+        """A reader's metrics since its last report: served from this node's /metrics."""
+        try:
+            metrics.apply_reader_tally(tally_from_proto(request))
+        except ValueError as exc:
+            _abort(context, exc)
+        return pb.Empty()
 
     def ListKeys(self, request: pb.ListKeysRequest, context: grpc.ServicerContext
                  ) -> Iterator[pb.KeyPage]:
@@ -299,9 +319,10 @@ def _reject_reason(exc: BaseException) -> str:
     return "malformed"
 
 
-def metrics_put(entries: list[IndexEntry]) -> None:
+def count_stored(entries: list[IndexEntry]) -> None:
+    """Count the blocks a Put stored (not the ones the node already held)."""
     if entries:
-        count_in("grpc", len(entries), sum(e.nbytes for e in entries))
+        metrics.record_stored("put", len(entries), sum(e.nbytes for e in entries))
 
 
 class StoreServer:

@@ -30,6 +30,7 @@ from kvstore.errors import (
     Unauthenticated,
 )
 from kvstore.keys import Namespace
+from kvstore.reader_metrics import ReaderTally
 from protos import kvstore_pb2 as pb
 
 AUTH_HEADER = "authorization"
@@ -140,3 +141,26 @@ def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(fail)
     return grpc.unary_unary_rpc_method_handler(fail)
+
+
+def tally_to_proto(tally: ReaderTally) -> pb.ReaderReport:
+    """A reader's metrics tally as the ``ReportReads`` message."""
+    return pb.ReaderReport(
+        hits=tally.hits, misses=dict(tally.misses), rejected=dict(tally.rejected),
+        fetched_blocks=dict(tally.fetched_blocks), fetched_bytes=dict(tally.fetched_bytes),
+        fetch_seconds=[pb.FetchTimes(path=p, seconds=s) for p, s in tally.fetch_seconds.items()],
+        prefill_tokens=dict(tally.prefill_tokens),
+    )
+
+
+def tally_from_proto(msg: pb.ReaderReport) -> ReaderTally:
+    """The tally a ``ReportReads`` message carries (labels are checked when it is applied)."""
+    tally = ReaderTally(hits=msg.hits)
+    tally.misses.update(dict(msg.misses))
+    tally.rejected.update(dict(msg.rejected))
+    tally.fetched_blocks.update(dict(msg.fetched_blocks))
+    tally.fetched_bytes.update(dict(msg.fetched_bytes))
+    tally.prefill_tokens.update(dict(msg.prefill_tokens))
+    for times in msg.fetch_seconds:
+        tally.fetch_seconds.setdefault(times.path, []).extend(times.seconds)
+    return tally
