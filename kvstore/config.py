@@ -21,7 +21,6 @@ from typing import Any, Literal, get_args
 
 import yaml
 
-from kvstore.constants import DTYPE_NAMES
 from kvstore.errors import ConfigError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -31,13 +30,22 @@ _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KI": 1024, "KIB": 1024, "M": 10
           "TIB": 1024**4}
 
 
+#: What a size may end with, for error messages (case does not matter).
+SIZE_UNITS_HELP = ("a number of bytes with an optional unit: B; KiB, MiB, GiB, TiB (powers of "
+                   "1024); K/KB, M/MB, G/GB, T/TB (powers of 1000); e.g. 512MiB, 4GiB, 1073741824")
+
+#: The dtypes a worker's model can run in; int8 is a namespace dtype (blocks may carry it) but
+#: the model loader has no int8 path, so validation refuses it instead of the loader, later.
+WORKER_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+
+
 def parse_size(value: str | int) -> int:
     """``"4GiB"`` -> 4294967296; ints pass through. Raises ConfigError on anything else."""
     if isinstance(value, int):
         return value
     m = _SIZE.match(str(value))
     if not m:
-        raise ConfigError(f"{value!r} is not a size; write e.g. 512MiB, 4GiB or 1073741824")
+        raise ConfigError(f"{value!r} is not a size; write {SIZE_UNITS_HELP}")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 
@@ -72,13 +80,17 @@ class ServerConfig:
     tls_key_file: str | None = None
     max_message_bytes: int = 64 << 20
     max_workers: int = 8
-    metrics_port: int | None = None
+    # Prometheus /metrics of the node: 0 picks a free port (shown by `kvstore status`), None
+    # turns it off; loopback unless metrics_host says otherwise.
+    metrics_port: int | None = 0
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         self.max_message_bytes = parse_size(self.max_message_bytes)
-        for name in ("port", "bulk_port"):
+        for name in ("port", "bulk_port", "metrics_port"):
             v = getattr(self, name)
-            _check(0 <= v < 65536, f"server.{name} must be in [0, 65535] (0 picks a free port)")
+            _check(v is None or 0 <= v < 65536,
+                   f"server.{name} must be in [0, 65535] (0 picks a free port)")
         _check((self.tls_cert_file is None) == (self.tls_key_file is None),
                "server.tls_cert_file and server.tls_key_file must be set together")
         _check(self.max_message_bytes >= 4 << 20, "server.max_message_bytes must be >= 4MiB")
@@ -142,9 +154,13 @@ class CoordinatorConfig:
     node_timeout_s: float = 10.0
     heartbeat_interval_s: float = 1.0
     hot_fetch_threshold: int = 3
-    metrics_port: int | None = None  # serve the coordinator's Prometheus metrics here
+    # the coordinator's Prometheus /metrics: 0 picks a free port, None turns it off
+    metrics_port: int | None = 0
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
+        _check(self.metrics_port is None or 0 <= self.metrics_port < 65536,
+               "coordinator.metrics_port must be in [0, 65535] (0 picks a free port)")
         _check(0 < self.low_watermark < self.high_watermark <= 1.0,
                "coordinator watermarks need 0 < low_watermark < high_watermark <= 1 "
                f"(got low={self.low_watermark}, high={self.high_watermark})")
@@ -176,12 +192,14 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, "worker.block_size must be > 0")
-        _check(self.dtype in DTYPE_NAMES,
-               f"worker.dtype {self.dtype!r} is not supported; use one of {list(DTYPE_NAMES)}")
+        _check(self.dtype in WORKER_DTYPES,
+               f"worker.dtype {self.dtype!r} is not supported; use one of {list(WORKER_DTYPES)}")
         _check(self.prefill_chunk_tokens > 0 and self.prefill_chunk_tokens % self.block_size == 0,
                f"worker.prefill_chunk_tokens ({self.prefill_chunk_tokens}) must be a positive "
                f"multiple of worker.block_size ({self.block_size})")
         _check(self.num_threads >= 1, "worker.num_threads must be >= 1")
+        _check(self.max_new_tokens >= 0,
+               "worker.max_new_tokens must be >= 0 (0: prefill and publish only, a warm-up)")
         _check(self.reuse in get_args(ReuseMode),
                f"worker.reuse must be one of {list(get_args(ReuseMode))}, got {self.reuse!r}")
 
@@ -221,21 +239,52 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return float(value)
         if tp is str:
             return str(value)
+    except ConfigError as exc:  # a size: its message lists the valid units
+        raise ConfigError(f"{where}: {exc}") from None
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {value!r} is not a valid {tp.__name__}") from exc
     return value
 
 
-def _build(cls: type, values: Mapping[str, Any], section: str) -> Any:
+def _yaml_lines(path: str | Path, text: str) -> dict[str, int]:
+    """``{"section": line, "section.field": line}`` (1-based) of a parsed YAML file, so an
+    error about a setting names where the operator wrote it."""
+    out: dict[str, int] = {}
+    root = yaml.compose(text)
+    if not isinstance(root, yaml.MappingNode):
+        return out
+    for key, value in root.value:
+        section = str(key.value)
+        out[section] = key.start_mark.line + 1
+        if isinstance(value, yaml.MappingNode):
+            for k, _ in value.value:
+                out[f"{section}.{k.value}"] = k.start_mark.line + 1
+    return out
+
+
+def _where(name: str, path: str | Path | None, lines: Mapping[str, int]) -> str:
+    """``file:line: name`` for a setting read from the file, plain ``name`` otherwise."""
+    return f"{path}:{lines[name]}: {name}" if path is not None and name in lines else name
+
+
+def _build(cls: type, values: Mapping[str, Any], section: str, path: str | Path | None = None,
+           lines: Mapping[str, int] | None = None) -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(values) - names
+    lines = lines or {}
+    unknown = sorted(set(values) - names)
     if unknown:
-        raise ConfigError(
-            f"unknown setting(s) {sorted(unknown)} in '{section}'; known: {sorted(names)}"
-        )
-    kwargs = {k: _coerce(v, hints[k], f"{section}.{k}") for k, v in values.items()}
-    return cls(**kwargs)
+        raise ConfigError(f"{_where(f'{section}.{unknown[0]}', path, lines)}: unknown "
+                          f"setting(s) {unknown} in '{section}'; known: {sorted(names)}")
+    kwargs = {k: _coerce(v, hints[k], _where(f"{section}.{k}", path, lines))
+              for k, v in values.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:  # __post_init__ names the setting; add where it was written
+        bad = [k for k in values if f"{section}.{k}" in str(exc)]
+        if path is None or not bad or f"{section}.{bad[0]}" not in lines:
+            raise
+        raise ConfigError(f"{path}:{lines[f'{section}.{bad[0]}']}: {exc}") from None
 
 
 def load_config(
@@ -249,21 +298,33 @@ def load_config(
     """
     env = os.environ if env is None else env
     raw: dict[str, dict[str, Any]] = {}
+    lines: dict[str, int] = {}
     if path is not None:
         try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            text = Path(path).read_text()
         except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+        try:
+            loaded = yaml.safe_load(text) or {}
+            lines = _yaml_lines(path, text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            at = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"{at}: YAML syntax error: {problem}") from None
         if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must be a mapping of components")
+            raise ConfigError(f"config file {path} must be a mapping of components "
+                              "(pool:, server:, client:, index:, coordinator:, worker:)")
         for section, values in loaded.items():
             if not isinstance(values, dict):
-                raise ConfigError(f"config section {section!r} in {path} must be a mapping")
+                raise ConfigError(f"{_where(str(section), path, lines)}: config section "
+                                  f"{section!r} must be a mapping of settings")
             raw[str(section)] = dict(values)
     sections = {f.name: f.type for f in dataclasses.fields(KVStoreConfig)}
-    unknown = set(raw) - set(sections)
+    unknown = sorted(set(raw) - set(sections))
     if unknown:
-        raise ConfigError(f"unknown config section(s) {sorted(unknown)}; known: {sorted(sections)}")
+        raise ConfigError(f"{_where(unknown[0], path, lines)}: unknown config section(s) "
+                          f"{unknown}; known: {sorted(sections)}")
     hints = typing.get_type_hints(KVStoreConfig)
     for section in sections:
         cls = hints[section]
@@ -274,5 +335,5 @@ def load_config(
                 raw.setdefault(section, {})[f.name] = env[var]
     for section, values in (overrides or {}).items():
         raw.setdefault(section, {}).update({k: v for k, v in values.items() if v is not None})
-    built = {s: _build(hints[s], raw.get(s, {}), s) for s in sections}
+    built = {s: _build(hints[s], raw.get(s, {}), s, path, lines) for s in sections}
     return KVStoreConfig(**built)

@@ -6,6 +6,7 @@ down by its own PIDs, never by ``ray stop``, which would kill every Ray on the m
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -19,9 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.cli import build_parser, namespace_root, parse_keys, status_json
+from kvstore.cache_commands import namespace_root, parse_keys
+from kvstore.cli import build_parser
 from kvstore.errors import ConfigError
-from kvstore.keys import Namespace
+from kvstore.keys import Namespace, chain_keys
+from kvstore.status_command import SHORT_ID, status_json
 from tests.support.redis_server import free_port
 
 pytestmark = pytest.mark.timeout(240)
@@ -36,7 +39,8 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120
 
 
 def _base_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "RAY_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("KVSTORE_", "RAY_")) or k == "KVSTORE_STATE_DIR"}
     # Ray turns token auth on by itself when ~/.ray/auth_token exists: pin one mode for all.
     env["RAY_AUTH_MODE"] = "disabled"
     return env
@@ -51,6 +55,17 @@ def _base_env() -> dict[str, str]:
     (["pin", "ab" * 16], "a block key is 64 hex digits"),
     (["pin", "--ttl", "5", "ab" * 32], "--ttl applies to soft pins only"),
     (["invalidate", "--model-fingerprint", "m"], "missing: --dtype"),
+    (["start", "--capacity", "4XB"], "KiB, MiB, GiB, TiB"),
+    (["status", "--config", "/does/not/exist.yaml"], "cannot read config file /does/not"),
+    (["ls", "--config", "/does/not/exist.yaml"], "cannot read config file /does/not"),
+    (["pin", "--config", "/does/not/exist.yaml", "ab" * 32], "cannot read config file"),
+    (["unpin", "--config", "/does/not/exist.yaml", "ab" * 32], "cannot read config file"),
+    (["drain", "--config", "/does/not/exist.yaml", "node"], "cannot read config file"),
+    (["invalidate", "--config", "/does/not/exist.yaml", "--namespace", "ab" * 32],
+     "cannot read config file"),
+    (["pin"], "name blocks: full keys"),
+    (["pin", "--text", "hello", "ab" * 32], "not both"),
+    (["ls", "--limit", "0"], "--limit must be >= 1"),
 ])
 def test_bad_input_prints_one_line_and_exits_2(args: list[str], needle: str) -> None:
     proc = run_cli(*args, env=_base_env())
@@ -105,6 +120,50 @@ def test_status_json_totals_fill_in() -> None:
     assert out["totals"]["blocks"] == 2
     assert out["totals"]["hit_rate"] == 0.75
     assert out["nodes"][1]["hits"] == 0
+
+
+def test_drain_resolves_what_status_prints() -> None:
+    from kvstore.cluster.operations import resolve_node_id
+
+    ids = ["0cb333f985fc7729", "0cb3ffff00000000", "77aa000000000000"]
+    assert resolve_node_id("0cb333f985fc", ids) == ids[0]
+    assert resolve_node_id(ids[2], ids) == ids[2]
+    with pytest.raises(ConfigError, match="matches 2 nodes"):
+        resolve_node_id("0cb3", ids)
+    with pytest.raises(ConfigError, match="no node id starts with 'ff'"):
+        resolve_node_id("ff", ids)
+
+
+def test_status_workers_table_fits_80_columns_and_wide_shows_all() -> None:
+    from rich.console import Console
+
+    from kvstore.status_command import _print_workers
+
+    node_id = "f" * 56
+    workers = [{"worker_id": f"prefill-{i}-{40000 + i}", "node_id": node_id, "model": "small",
+                "dtype": "bfloat16", "attn": "eager",
+                "reuse": {"mode": "exact", "resume": "block", "piece_sizes": [4, 16],
+                          "exact": True}, "namespace": {"root": "ab" * 32}} for i in range(3)]
+    narrow = Console(width=80, record=True)
+    _print_workers(narrow, workers, wide=False)
+    text = narrow.export_text()
+    assert max(map(len, text.splitlines())) <= 80
+    assert node_id[:SHORT_ID] in text and "…" not in text
+    wide = Console(width=400, record=True)
+    _print_workers(wide, workers, wide=True)
+    text = wide.export_text()
+    assert node_id in text and "ab" * 32 in text
+
+
+def test_salt_label_never_shows_the_salt() -> None:
+    from kvstore.cluster.operations import salt_label
+
+    assert salt_label("") == "default"
+    assert salt_label("\x00reuse=block") == "default+reuse=block"
+    label = salt_label("tenant-secret-42")
+    assert "secret" not in label and label.startswith("#") and len(label) == 9
+    assert salt_label("tenant-secret-42\x00reuse=block") == label + "+reuse=block"
+    assert salt_label("other") != label
 
 
 # -- against a private Ray head ---------------------------------------------------------------
@@ -200,13 +259,141 @@ def test_start_status_stop(ray_head: dict[str, str]) -> None:
         assert node["node_id"][:12] in table.stdout
 
         pinned = run_cli("pin", "--soft", "--ttl", "60", "ab" * 32, env=env)
+        assert pinned.returncode == 1  # nobody holds it: nothing pinned, and it says so
+        assert "none of the 1 blocks is cached" in pinned.stderr
+        pinned = run_cli("pin", "--soft", "--ttl", "60", "--ahead", "ab" * 32, env=env)
         assert pinned.returncode == 0, pinned.stderr
+        assert "pinned 1 of 1 blocks (1 not cached" in pinned.stdout
     finally:
         stopped = run_cli("stop", env=env)
     assert stopped.returncode == 0, stopped.stderr
     assert not list(Path("/dev/shm").glob(f"kvstore-arena-{node['node_id'][:16]}-*"))
 
     after = run_cli("status", "--json", env=env)
-    assert after.returncode == 1
+    assert after.returncode == 3  # kvstore not running (the CLI's exit-code table)
     assert "kvstore start" in after.stderr
     assert len(after.stderr.strip().splitlines()) == 1
+
+
+# -- help: instant, complete ------------------------------------------------------------------
+
+HEAVY = ("torch", "transformers", "ray")
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _imported(stderr: str) -> set[str]:
+    """Top-level packages a process imported, from its PYTHONPROFILEIMPORTTIME report."""
+    names = set()
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and line.count("|") == 2:
+            names.add(line.rsplit("|", 1)[1].strip().split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("command", [[], *([name] for name in sorted(
+    ["start", "stop", "status", "ls", "pin", "unpin", "drain", "invalidate", "prefill",
+     "decode", "generate", "demo", "bench"]))])
+def test_every_help_imports_no_worker_stack(command: list[str]) -> None:
+    """`kvstore [COMMAND] --help` as typed: exit 0, usage printed, torch/transformers/ray never
+    imported (they cost seconds; Python's own import report says what was loaded)."""
+    env = _base_env()
+    env["PYTHONPROFILEIMPORTTIME"] = "1"
+    proc = run_cli(*command, "--help", env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"usage: kvstore {' '.join(command)}".rstrip())
+    imported = _imported(proc.stderr)
+    assert "kvstore" in imported  # the report is there, so an absence below means something
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+def test_help_lists_every_subcommand_tested_above() -> None:
+    assert sorted(_subcommands()) == sorted(["start", "stop", "status", "ls", "pin", "unpin",
+                                             "drain", "invalidate", "prefill", "decode",
+                                             "generate", "demo", "bench"])
+
+
+def test_every_flag_has_help_text() -> None:
+    missing = [f"{name} {'/'.join(a.option_strings) or a.dest}"
+               for name, p in _subcommands().items() for a in p._actions
+               if not (a.help or "").strip() and not isinstance(a, argparse._HelpAction)]
+    assert not missing, missing
+
+
+# -- steering the cache by prompt, against a real prefill ----------------------------------------
+
+def _json(proc: subprocess.CompletedProcess[str]) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_ls_and_pin_by_prompt_name_exactly_what_prefill_published(
+        ray_head: dict[str, str], tmp_path: Path) -> None:
+    env = {**ray_head, "COLUMNS": "80"}
+    tokens = list(range(1, 50))  # 3 full blocks of 16 and a partial one (no key)
+    prompts = tmp_path / "system.jsonl"
+    prompts.write_text(json.dumps({"id": "system", "token_ids": tokens}) + "\n")
+    started = run_cli("start", "--capacity", "16MiB", env=env)
+    assert started.returncode == 0, started.stderr
+    try:
+        filled = run_cli("prefill", "--prompts", str(prompts), "--model", "tiny", env=env,
+                         timeout=200)
+        assert filled.returncode == 0, filled.stderr[-3000:]
+
+        view = _json(run_cli("ls", "--json", env=env))
+        (ns,) = view["namespaces"]
+        assert ns["described"] and ns["model"] == "tiny" and ns["salt"] == "default"
+        assert (ns["block_size"], ns["blocks"], ns["dtype"]) == (16, 3, "float32")
+        assert len(ns["model_fingerprint"]) == 64
+        (prefix,) = view["prefixes"]
+        # the reference: the chained keys of the prompt's full blocks from the listed root
+        want = chain_keys(bytes.fromhex(ns["root"]), b"".join(
+            t.to_bytes(8, "little") for t in tokens), 16)
+        assert prefix["key"] == want[-1].hex()
+        assert (prefix["blocks"], prefix["tokens"], prefix["pinned_blocks"]) == (3, 48, 0)
+
+        listing = run_cli("ls", env=env)
+        assert listing.returncode == 0 and prefix["key"] in listing.stdout
+        assert max(map(len, listing.stdout.splitlines())) <= 80
+
+        pinned = run_cli("pin", "--prompts", str(prompts), "--model", "tiny", env=env)
+        assert pinned.returncode == 0, pinned.stderr[-3000:]
+        assert "pinned 3 of 3 blocks (0 not cached; hard)" in pinned.stdout
+        assert f"ends at {prefix['key']}" in pinned.stdout
+        after = _json(run_cli("ls", "--json", env=env))["prefixes"][0]
+        assert after["pinned_blocks"] == 3
+
+        unpinned = run_cli("unpin", "--text", "".join(map(chr, tokens)), "--model", "tiny",
+                           env=env)  # bytes tokenizer: the same token ids, typed as text
+        assert unpinned.returncode == 0, unpinned.stderr[-3000:]
+        assert "unpinned 3 of 3 blocks (3 cached)" in unpinned.stdout
+        again = run_cli("unpin", prefix["key"], env=env)
+        assert again.returncode == 1 and "none of the 1 blocks was pinned" in again.stderr
+
+        status = _json(run_cli("status", "--json", env=env))
+        node_id = status["nodes"][0]["node_id"]
+        assert status["top_prefixes"] == [] or len(status["top_prefixes"][0]["key"]) == 64
+        table = run_cli("status", env=env)
+        assert table.returncode == 0, table.stderr
+        assert max(map(len, table.stdout.splitlines())) <= 80
+        assert node_id[:SHORT_ID] in table.stdout and node_id not in table.stdout
+        wide = run_cli("status", "--wide", env=env)
+        assert wide.returncode == 0 and node_id in wide.stdout
+
+        gone = run_cli("invalidate", "--prompts", str(prompts), "--model", "tiny", env=env)
+        assert gone.returncode == 0, gone.stderr[-3000:]
+        assert "invalidated 3 of 3 blocks (0 not cached)" in gone.stdout
+        assert _json(run_cli("ls", "--json", env=env))["prefixes"] == []
+
+        drained = run_cli("drain", node_id[:SHORT_ID], env=env)  # what status printed
+        assert drained.returncode == 0, drained.stderr
+        assert f"draining {node_id}: 0 blocks" in drained.stdout
+        unknown = run_cli("drain", "zz-no-such-node", env=env)
+        assert unknown.returncode == 2 and "no node id starts with" in unknown.stderr
+    finally:
+        stopped = run_cli("stop", env=env)
+    assert stopped.returncode == 0, stopped.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,61 @@ def test_dataclasses_validate_when_built_directly():
     with pytest.raises(ConfigError, match="worker.num_threads"):
         WorkerConfig(num_threads=0)
     assert isinstance(ConfigError("x"), ValueError)  # callers may catch ValueError
+
+
+@pytest.mark.parametrize(("text", "where"), [
+    ("pool:\n  capacity_bytes: [1\n", ":3:1: YAML syntax error"),
+    ("pool:\n  capacity_bytes: 1GiB\n bad indent: 2\n", ":3:2: YAML syntax error"),
+])
+def test_yaml_syntax_error_names_file_and_line(tmp_path, text, where):
+    path = write_yaml(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert str(info.value).startswith(f"{path}{where}")
+
+
+def test_bad_size_in_file_names_file_line_and_valid_units(tmp_path):
+    path = write_yaml(tmp_path, "server:\n  port: 7000\npool:\n  capacity_bytes: 4XB\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    message = str(info.value)
+    assert message.startswith(f"{path}:4: pool.capacity_bytes: '4XB' is not a size")
+    for unit in ("KiB", "MiB", "GiB", "TiB", "KB", "GB"):
+        assert unit in message
+
+
+def test_bad_size_flag_lists_valid_units_not_int():
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, overrides={"pool": {"capacity_bytes": "4XB"}})
+    assert "is not a valid int" not in str(info.value)
+    assert str(info.value).startswith("pool.capacity_bytes: '4XB' is not a size")
+    assert "GiB" in str(info.value)
+
+
+def test_unknown_setting_and_failed_check_name_file_and_line(tmp_path):
+    path = write_yaml(tmp_path, "worker:\n  block_size: 16\n  blok_size: 8\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:3: worker.blok_size: unknown setting"):
+        load_config(path, env={})
+    path = write_yaml(tmp_path, "coordinator:\n  node_timeout_s: 10\n  lease_ttl_s: 0\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:3: coordinator.lease_ttl_s must be > 0"):
+        load_config(path, env={})
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float64"])
+def test_worker_dtype_accepts_only_what_the_model_loader_runs(dtype):
+    """int8 is a namespace dtype but not a model dtype: refused when settings load."""
+    with pytest.raises(ConfigError, match=r"worker.dtype .* use one of \['float32', 'float16', "
+                                          r"'bfloat16'\]"):
+        WorkerConfig(dtype=dtype)
+
+
+def test_documented_worker_dtypes_are_the_accepted_ones():
+    """docs/configuration.md lists exactly the dtypes validation accepts."""
+    from kvstore.config import WORKER_DTYPES
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| `dtype` | `KVSTORE_WORKER"))
+    accepted = row.split("|")[4].split("(")[0]  # before "(anything else ... is rejected)"
+    assert sorted(re.findall(r"`(\w+)`", accepted)) == sorted(WORKER_DTYPES)
+    for dtype in WORKER_DTYPES:
+        WorkerConfig(dtype=dtype)

@@ -21,14 +21,15 @@ PACKAGES = ("kvstore", "workers")
 #: Within one layer, only modules of the same package (or the ground) import each other.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ground", ("kvstore.errors", "kvstore.constants", "kvstore.config", "kvstore.keys",
-                "kvstore.block", "kvstore.ops", "kvstore.api", "kvstore.metrics")),
+                "kvstore.block", "kvstore.ops", "kvstore.api", "kvstore.metrics",
+                "kvstore.reader_metrics")),
     ("index", ("kvstore.index",)),
     ("node", ("kvstore.node",)),
     ("coordinator", ("kvstore.coordinator",)),
     ("stores", ("kvstore.local", "kvstore.cluster_store")),
     ("cluster", ("kvstore.cluster",)),
     ("workers", ("workers",)),
-    ("cli", ("kvstore.cli",)),
+    ("cli", ("kvstore.cli", "kvstore.cache_commands", "kvstore.status_command")),
 ]
 
 

@@ -86,7 +86,7 @@ def test_eviction_to_low_watermark_lru_children_first_keeps_leased_and_pinned(
         store.batch_put(NS, ch.puts())
     assert (base + 216) * BLOCK < 0.9 * CAPACITY < (base + 234) * BLOCK
     pinned, leased = chains[0].keys[0], chains[3].keys[0]
-    assert ray.get(coordinator.pin.remote([pinned], hard=True, ttl_s=None)) == 1
+    assert ray.get(coordinator.pin.remote([pinned], hard=True, ttl_s=None)) == (1, 1)
     addr = ray.get(coordinator.directory.remote())[node]
     client = StoreNodeClient(addr.grpc_address, config=kv.client)
     lease = client.lease([leased], ttl_s=120)

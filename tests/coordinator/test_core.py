@@ -336,7 +336,7 @@ def test_status_is_json_and_shows_hashes_not_tokens() -> None:
     core.heartbeat("a", PoolStats(1000, 300, 3, 0, 0, 8, 2, 0), [chain[0]] * 3, {})
     status = json.loads(json.dumps(core.status()))
     assert status["totals"]["hit_rate"] == pytest.approx(0.8)
-    assert status["top_prefixes"][0] == {"key": chain[0][:8].hex(), "touches": 3}
+    assert status["top_prefixes"][0] == {"key": chain[0].hex(), "touches": 3}
     assert status["nodes"][0]["blocks"] == 3
 
 
