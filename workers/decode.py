@@ -7,7 +7,7 @@ Request flow step 3 of docs/design.md §4. A plain class: in-process as it is, o
 from __future__ import annotations
 
 from kvstore.api import TokenIds
-from workers.engine import DecodeResult, SamplingParams, TailKV
+from workers.engine import DecodeResult, PrefillResult, SamplingParams, TailKV
 from workers.replica import Replica
 
 
@@ -22,8 +22,11 @@ class DecodeWorker(Replica):
                                   return_logits=return_logits)
 
     def generate(self, token_ids: TokenIds, request_id: str,
-                 sampling: SamplingParams | None = None, use_cache: bool = True) -> DecodeResult:
-        """Prefill and decode here, on local KV (the ``--no-cache`` reference path)."""
-        _, dec = self.engine.generate(token_ids, request_id=request_id, sampling=sampling,
-                                      use_cache=use_cache)
-        return dec
+                 sampling: SamplingParams | None = None, use_cache: bool = True
+                 ) -> tuple[PrefillResult, DecodeResult]:
+        """Prefill and decode here, on local KV: the ``--no-cache`` reference computes each
+        prompt once, and its TTFT is the prefill's here."""
+        pre, dec = self.engine.generate(token_ids, request_id=request_id, sampling=sampling,
+                                        use_cache=use_cache)
+        pre.tail = None  # the KV stayed here; do not ship it back
+        return pre, dec

@@ -42,7 +42,11 @@ from workers.reuse import ReusePolicy, choose_policy
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How tokens are picked: greedy when ``temperature == 0``, else seeded sampling."""
+    """How tokens are picked: greedy when ``temperature == 0``, else seeded sampling.
+
+    ``max_new_tokens == 0`` is a cache warm-up: the prompt is prefilled and its blocks are
+    published, and no token is returned.
+    """
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -51,8 +55,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be >= 0 (0: prefill and publish only), "
+                              f"got {self.max_new_tokens}")
         if self.temperature < 0 or self.top_k < 0:
             raise ConfigError("temperature and top_k must be >= 0")
 
@@ -105,7 +110,7 @@ class DecodeResult:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        steps = len(self.output_token_ids) - 1
+        steps = max(0, len(self.output_token_ids) - 1)
         return steps / self.decode_s if self.decode_s > 0 else float("inf")
 
 
@@ -161,6 +166,9 @@ class Engine:
         self.hasher = BlockHasher(self.namespace)
         metrics.observe_reuse_policy(self.policy.as_dict())
         self._lock = threading.Lock()
+        # One model forward at a time: a replica serving several requests (a threaded actor)
+        # interleaves them step by step instead of splitting its torch threads between them.
+        self._forward_lock = threading.Lock()
         self._cancelled: set[str] = set()
         self._active: dict[str, DynamicCache | None] = {}
 
@@ -277,23 +285,27 @@ class Engine:
             self._check(request_id, deadline)
             chunk_end = (pos // self.chunk_tokens + 1) * self.chunk_tokens
             end = min(chunk_end, n)
-            if self.policy.pad_keys or end == chunk_end:
-                logits = self.model.forward(tokens[pos:end], cache, pad_keys_to=chunk_end,
-                                            pad_rows_to=self.policy.piece_size(end - pos))
-            else:  # the chunk-only policy's partial last chunk, as it is (never published)
-                logits = self.model.forward(tokens[pos:end], cache)
+            with self._forward_lock:
+                if self.policy.pad_keys or end == chunk_end:
+                    logits = self.model.forward(tokens[pos:end], cache, pad_keys_to=chunk_end,
+                                                pad_rows_to=self.policy.piece_size(end - pos))
+                else:  # the chunk-only policy's partial last chunk, as is (never published)
+                    logits = self.model.forward(tokens[pos:end], cache)
             pos = end
         return logits
 
     def _continue(self, cache: DynamicCache, first_token: int, sampling: SamplingParams,
                   request_id: str, deadline: float, return_logits: bool
                   ) -> tuple[list[int], list[torch.Tensor]]:
-        """Generate after the first token, one token per step."""
-        out = [first_token]
+        """Generate after the first token, one token per step (none for a warm-up)."""
         all_logits: list[torch.Tensor] = []
+        if sampling.max_new_tokens == 0:
+            return [], all_logits
+        out = [first_token]
         while len(out) < sampling.max_new_tokens and out[-1] not in sampling.stop_token_ids:
             self._check(request_id, deadline)
-            logits = self.model.forward([out[-1]], cache)
+            with self._forward_lock:
+                logits = self.model.forward([out[-1]], cache)
             if return_logits:
                 all_logits.append(logits)
             out.append(pick_token(logits, sampling, len(out)))
@@ -397,6 +409,13 @@ class Engine:
             if not (tail is not None and len(fetch.payloads) * bs == whole == tail.start):
                 fetch.keep(self.resume_point(len(fetch.payloads) * bs, n) // bs)  # must run
             resume = len(fetch.payloads) * bs
+            if sampling.max_new_tokens == 0:  # a warm-up: fetching the blocks is the whole job
+                setup_s = time.perf_counter() - t0
+                return DecodeResult(
+                    request_id=request_id, output_token_ids=[], fetched_tokens=resume,
+                    recomputed_tokens=0, sources=fetch.sources,
+                    bytes_fetched=fetch.bytes_fetched, decode_s=0.0,
+                    timings={"setup_s": setup_s, "decode_s": 0.0}, misses=fetch.misses)
             keys_kv: list[torch.Tensor] = []
             values_kv: list[torch.Tensor] = []
             if fetch.payloads:

@@ -62,7 +62,8 @@ class Replica:
         info = {"replica": self.replica_id, "node_id": self.node_id(), "model": wc.model,
                 "dtype": wc.dtype, "attn": self.model.attn_implementation,
                 "block_size": wc.block_size, "chunk_tokens": wc.prefill_chunk_tokens,
-                "reuse": self.engine.policy.as_dict()}
+                "reuse": self.engine.policy.as_dict(),
+                "namespace": operations.describe_namespace(self.engine.namespace, wc.model)}
         try:
             operations.report_worker(self.worker_id, info)
         except (KVStoreError, ray.exceptions.RayError) as exc:  # status is a view, not a duty
@@ -107,8 +108,10 @@ def replica_actor(cls: type[Replica], resources: dict[str, float] | None = None)
 
     ``num_cpus=0``: replicas fix their own torch thread count, and Ray's CPU accounting would
     otherwise refuse to place more replicas than cores on a laptop. Threaded
-    (``max_concurrency``) so a ``cancel`` reaches a running request. ``resources`` places it by
-    custom resource (the prefill/decode node types of the deploy files).
+    (``max_concurrency``) so a ``cancel`` reaches a running request and the deployment's
+    ``MAX_IN_FLIGHT`` requests (2) run side by side: one fetching or publishing while the
+    other computes, since the engine runs one model forward at a time. ``resources`` places it
+    by custom resource (the prefill/decode node types of the deploy files).
     """
     return ray.remote(cls).options(num_cpus=0, max_concurrency=4,  # type: ignore[call-overload]
                                    resources=resources or {})

@@ -1,4 +1,7 @@
-"""Picks the prefill replica for a prompt: most cached prefix on its node, then least load."""
+"""Picks a replica for a prompt: most cached prefix on its node, then least load.
+
+The deployment keeps one router for its prefill replicas and one for its decode replicas.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +9,9 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.api import KVStore, TokenIds
-from kvstore.keys import BlockHasher
+from kvstore.api import KVStore, PrefixHit, TokenIds
+from kvstore.errors import KVStoreError
+from kvstore.keys import BlockHasher, BlockKey
 
 
 @dataclass(slots=True)
@@ -38,30 +42,56 @@ class Router:
         self._lock = threading.Lock()
         self._next = 0
 
-    def overlap(self, token_ids: TokenIds) -> dict[str, int]:
-        """Per node: how many blocks of the prompt's longest cached prefix it holds."""
-        if self.store is None:
-            return {}
+    def lookup(self, token_ids: TokenIds) -> tuple[list[BlockKey], PrefixHit]:
+        """The prompt's block keys and its longest cached prefix (none without a store).
+
+        An index that cannot answer counts as a cold start, as in the engine: routing is a
+        preference, and a job must not fail over it.
+        """
         keys = self.hasher.block_keys(token_ids)
-        hit = self.store.lookup_prefix(self.hasher.namespace, keys)
+        if self.store is None:
+            return keys, PrefixHit(0, [])
+        try:
+            return keys, self.store.lookup_prefix(self.hasher.namespace, keys)
+        except KVStoreError:
+            return keys, PrefixHit(0, [])
+
+    def overlap(self, token_ids: TokenIds, hit: PrefixHit | None = None) -> dict[str, int]:
+        """Per node: how many blocks of the prompt's longest cached prefix it holds."""
+        if hit is None:
+            hit = self.lookup(token_ids)[1]
         counts: dict[str, int] = {}
         for holders in hit.holders[:hit.num_blocks]:
             for node in set(holders):
                 counts[node] = counts.get(node, 0) + 1
         return counts
 
-    def choose(self, token_ids: TokenIds) -> int:
-        """The index of the replica to use; counts it as in flight until ``done``."""
-        counts = self.overlap(token_ids)
+    def choose(self, token_ids: TokenIds, *, hit: PrefixHit | None = None,
+               max_in_flight: int | None = None) -> int | None:
+        """The index of the replica to use; counts it as in flight until ``done``.
+
+        ``hit`` saves a second index lookup when the caller has one. With ``max_in_flight``
+        only replicas with fewer requests in flight qualify, and ``None`` means all are full.
+        """
+        counts = self.overlap(token_ids, hit)
         with self._lock:
             n = len(self.replicas)
             # Round-robin start so equal scores spread over replicas.
-            order = [(self._next + i) % n for i in range(n)]
+            order = [(self._next + i) % n for i in range(n)
+                     if max_in_flight is None
+                     or self.replicas[(self._next + i) % n].in_flight < max_in_flight]
+            if not order:
+                return None
             best = max(order, key=lambda i: counts.get(self.replicas[i].node_id, 0)
                        - self.blocks_per_request * self.replicas[i].in_flight)
             self._next = (best + 1) % n
             self.replicas[best].in_flight += 1
             return best
+
+    def has_room(self, max_in_flight: int) -> bool:
+        """Whether some replica has fewer than ``max_in_flight`` requests in flight."""
+        with self._lock:
+            return any(r.in_flight < max_in_flight for r in self.replicas)
 
     def done(self, index: int) -> None:
         """The request sent to replica ``index`` finished."""

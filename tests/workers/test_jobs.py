@@ -95,3 +95,61 @@ def test_bad_placement_exits_2_with_a_message(tmp_path, capsys, argv, match):
     prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "token_ids": [1, 2, 3]}])
     assert main(["generate", "--prompts", prompts, *FLAGS, *argv]) == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["generate", "prefill", "decode"])
+def test_zero_new_tokens_returns_no_tokens(tmp_path, capsys, command):
+    prompts = write_prompts(tmp_path / "p.jsonl",
+                            [{"id": f"q{i}", "token_ids": make_prompt(40 + i, seed=i)}
+                             for i in range(2)])
+    flags = [f for f in FLAGS if f != "4"]
+    flags[flags.index("--max-new-tokens") + 1:] = ["0", "--json"]
+    rc, rows = run(capsys, command, "--prompts", prompts, *flags)
+    assert rc == 0
+    assert [r["output_token_ids"] for r in rows] == [[], []]
+
+
+def test_output_to_a_missing_directory_fails_before_any_work(tmp_path, capsys, monkeypatch):
+    import workers.jobs
+
+    def no_deployment(*args, **kwargs):
+        raise AssertionError("the deployment started before --output was checked")
+
+    monkeypatch.setattr(workers.jobs, "Deployment", no_deployment)
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "token_ids": [1, 2, 3]}])
+    out = tmp_path / "missing" / "out.jsonl"
+    assert main(["generate", "--prompts", prompts, *FLAGS, "--output", str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["generate", "--prompts", prompts, *FLAGS, "--output", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_output_check_in_a_subprocess(tmp_path):
+    import subprocess
+    import sys
+
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "token_ids": [1, 2, 3]}])
+    proc = subprocess.run([sys.executable, "-m", "kvstore.cli", "generate", "--in-process",
+                           "--model", "tiny", "--prompts", prompts,
+                           "--output", str(tmp_path / "nope" / "out.jsonl")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"kvstore: error: --output {tmp_path / 'nope' / 'out.jsonl'}: directory "
+        f"{tmp_path / 'nope'} does not exist"]
+
+
+def test_a_failed_write_keeps_the_results(tmp_path):
+    from kvstore.errors import ConfigError
+    from workers.jobs import write_output
+
+    rows = [{"id": "a", "output_token_ids": [1, 2]}]
+    with pytest.raises(ConfigError, match="the results are in") as info:
+        write_output(str(tmp_path), rows)  # a directory: the write fails
+    rescue = str(info.value).rsplit(" ", 1)[-1]
+    try:
+        assert [json.loads(line) for line in open(rescue)] == rows
+    finally:
+        import os
+
+        os.unlink(rescue)

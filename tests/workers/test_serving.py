@@ -7,7 +7,7 @@ import torch
 
 from kvstore.api import PrefixHit
 from kvstore.config import KVStoreConfig, WorkerConfig
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, NodeUnavailable
 from kvstore.keys import BlockHasher
 from workers.engine import Engine, SamplingParams
 from workers.model import load_model
@@ -70,11 +70,22 @@ def test_router_spreads_equal_scores_round_robin():
     assert sorted(picks) == [0, 1, 2]
 
 
+def test_router_treats_a_failed_lookup_as_a_cold_start():
+    class DownIndex(FakeIndex):
+        def lookup_prefix(self, namespace, keys):
+            raise NodeUnavailable("index down")
+
+    hasher = BlockHasher(load_model("tiny").namespace(16))
+    router = Router(DownIndex([]), hasher, [ReplicaSlot("r0", "a"), ReplicaSlot("r1", "b")])
+    router.replicas[0].in_flight = 1
+    assert router.choose(make_prompt(64)) == 1
+
+
 def test_inprocess_deployment_reuses_and_matches_no_cache():
     dep = Deployment(make_config(), num_prefill=2, num_decode=2)
     system = make_prompt(64, seed=1)
-    outs = [dep.generate(f"r{i}", system + make_prompt(20, seed=10 + i), SAMPLING,
-                         decode_replica=i) for i in range(3)]
+    outs = [dep.generate(f"r{i}", system + make_prompt(20, seed=10 + i), SAMPLING)
+            for i in range(3)]
     assert [o.cached_tokens for o in outs] == [0, 64, 64]
     assert {o.prefill_replica for o in outs} == {"prefill-0", "prefill-1"}
     model = load_model("tiny")
@@ -132,6 +143,38 @@ def test_ray_actors_share_blocks_across_replicas(ray_private):
     assert outs[0].prefill_replica != outs[1].prefill_replica
     assert outs[1].bytes_fetched > 0 and sum(outs[1].sources.values()) > 0
     assert [o.output_token_ids for o in outs] == [r.output_token_ids for r in refs]
+
+
+@pytest.mark.ray
+def test_ray_run_keeps_replicas_busy_in_input_order(ray_private):
+    """Real actors and futures: order, spread over decode replicas, exactness, one prefill of
+    the shared prefix, and ``--no-cache`` computing each prompt once on a decode replica."""
+    from kvstore.cluster import lifecycle
+
+    config = make_config()
+    lifecycle.start(config)
+    dep = Deployment(config, num_prefill=2, num_decode=2, mode="ray")
+    try:
+        system = make_prompt(64, seed=3)
+        requests = [(f"q{i}", system + make_prompt(5 + 7 * i, seed=30 + i)) for i in range(6)]
+        outs = dep.run("generate", requests, SAMPLING)
+        refs = dep.run("reference", requests, SAMPLING)
+        warm = dep.run("generate", [("w", make_prompt(50, seed=9))],
+                       SamplingParams(max_new_tokens=0))
+        after = dep.generate("w2", make_prompt(50, seed=9), SAMPLING)
+    finally:
+        dep.close()
+        lifecycle.stop(config)
+    model = load_model("tiny")
+    want = [Engine(model, None, config.worker).generate(ids, sampling=SAMPLING)[1]
+            .output_token_ids for _, ids in requests]
+    assert [o.id for o in outs] == [rid for rid, _ in requests]
+    assert [o.output_token_ids for o in outs] == want
+    assert [o.output_token_ids for o in refs] == want
+    assert [o.cached_tokens for o in outs] == [0] + [64] * 5
+    assert {o.decode_replica for o in outs} == {"decode-0", "decode-1"}
+    assert all(o.prefill_replica == o.decode_replica and o.cached_tokens == 0 for o in refs)
+    assert warm[0].output_token_ids == [] and after.cached_tokens == 48
 
 
 def _free_port() -> int:
