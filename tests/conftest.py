@@ -17,6 +17,13 @@ from kvstore.index.base import Index
 from kvstore.index.memory import InMemoryIndex
 from tests.support.redis_server import RedisProcess, start_redis_server
 
+# Ray 2.60 turns token auth on for any process that finds ~/.ray/auth_token and no
+# RAY_AUTH_MODE, and its C++ side reads the mode once per process. A fixture that set the
+# variable and later removed it left this process "disabled" while the next GCS it started
+# demanded a token (InvalidAuthToken). One mode for the whole session, set before anything
+# imports Ray: every process a test starts inherits it (multi-host tests set their own).
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
 
 def require_redis_server() -> None:
     """Skip (or, with KVSTORE_REQUIRE_REDIS=1, fail) when redis-server is not installed."""
