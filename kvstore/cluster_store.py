@@ -143,14 +143,27 @@ class ClusterStore:
             encoded.append((bytes(b.key), buf))
         self._client(self.node_id).put_blocks(namespace, encoded)
 
-    def flush_metrics(self) -> bool:
+    def flush_metrics(self, *, resolve: bool = True) -> bool:
         """Push this process's reader metrics to our store node now; False if it failed (they
-        stay pending for the next push)."""
+        stay pending for the next push).
+
+        ``resolve=False`` (the background pusher) only uses a connection this store already
+        has: resolving a node goes through the directory, which on Ray is an actor call, and an
+        actor call from a thread that outlives ``ray.shutdown()`` would start a new Ray
+        instance of its own. The caller's ``close()`` resolves."""
         tally = reader_metrics.take_pending()
         if tally.empty():
             return True
         try:
-            self._client(self.node_id).report_reads(tally)
+            if resolve:
+                client: StoreNodeClient | None = self._client(self.node_id)
+            else:
+                with self._lock:
+                    client = self._clients.get(self.node_id)
+            if client is None:
+                reader_metrics.restore_pending(tally)
+                return False
+            client.report_reads(tally)
         except (KVStoreError, OSError) as exc:
             if isinstance(exc, NodeUnavailable):
                 self._drop_client(self.node_id)
@@ -170,7 +183,7 @@ class ClusterStore:
     # -- internals --------------------------------------------------------------------------
     def _push_loop(self) -> None:
         while not self._closed.wait(reader_metrics.FLUSH_INTERVAL_S):
-            self.flush_metrics()
+            self.flush_metrics(resolve=False)
 
     def _order(self, holders: Sequence[str]) -> list[str]:
         own = [h for h in holders if h == self.local_node_id]
