@@ -374,7 +374,7 @@ class CoordinatorCore:
                 self.dead.values(), key=lambda s: s.node_id)
 
     def _blocks(self, node: NodeState) -> int:
-        return int(((self.lru.holders >> node.slot) & 1).sum())
+        return self.lru.num_blocks_of(node.slot)
 
     # -- operator calls --------------------------------------------------------------------
 
@@ -439,7 +439,7 @@ class CoordinatorCore:
             slots = self.lru._slots_of(node.slot)
             keys = self.lru.key_of(slots)
             sizes = self.lru.nbytes[slots].tolist()
-            masks = self.lru.holders[slots].tolist()
+            masks = self.lru.slot_masks(slots).tolist()
             targets = [n for n in self.nodes.nodes.values()
                        if n is not node and not n.draining and n.address is not None]
             room = {t.node_id: int(self.cfg.high_watermark * t.capacity_bytes) - t.used_bytes

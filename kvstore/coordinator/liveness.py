@@ -2,7 +2,8 @@
 
 A node is alive while it heartbeats; one silent for ``node_timeout_s`` is declared dead (a dead
 Ray node kills its store-node actor too, so missing heartbeats cover both). Each known node
-owns one of ``MAX_NODES`` bit positions in the LRU table's holder masks.
+owns one of ``MAX_NODES`` node slots in the LRU table's holder sets; a slot is free again as
+soon as its node is dropped.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ class NodeTable:
         return node
 
     def _free_slot(self) -> int:
+        """The lowest slot no live node uses (one of ``len(used) + 1`` candidates is free)."""
         used = {n.slot for n in self.nodes.values()}
-        for slot in range(MAX_NODES):
+        for slot in range(min(len(used) + 1, MAX_NODES)):
             if slot not in used:
                 return slot
         raise KVStoreError(

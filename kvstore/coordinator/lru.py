@@ -1,13 +1,14 @@
-"""The cluster LRU: a compact table of every indexed block and the eviction planner.
+"""The cluster LRU: a compact table of every indexed block (its planner is ``planner.py``).
 
 The coordinator tracks every block in the cluster, so a Python object per block (a dict of
 32-byte keys alone costs ~205 B per entry) would not scale. Instead every fixed-width field lives
 in one numpy array indexed by a *slot*, and keys map to slots through an open-addressing table
-of int32 (linear probing, tombstones) that is probed for a whole batch at once:
+of int32 (``probe.SlotHash``: linear probing, tombstones) probed for a whole batch at once:
 
     table[hash & mask] -> slot       keys[slot]     32 B  the block key (sha256, so its first
                                                           8 bytes are already a good hash)
-                                     holders[slot]  8 B   bit i = node slot i holds it
+                                     holders[slot]  8 B   up to 4 node slots inline, more
+                                                          spilled (``holders.HolderSets``)
                                      nbytes[slot]   8 B
                                      parent[slot]   32 B  the parent key
                                      root[slot]     4 B   namespace root id (see roots)
@@ -26,7 +27,6 @@ change eviction order, never which bytes a reader gets.
 
 from __future__ import annotations
 
-import heapq
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,17 +34,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvstore.constants import KEY_NBYTES
+from kvstore.coordinator.holders import MAX_NODES, HolderSets
+from kvstore.coordinator.probe import SlotHash
 from kvstore.errors import KVStoreError
 
-MAX_NODES = 64  # holders is one uint64 bitmask per block
+__all__ = ["MAX_NODES", "PIN_HARD", "PIN_NONE", "PIN_SOFT", "Candidate", "LRUTable",
+           "fingerprint"]
+
 
 PIN_NONE = 0
 PIN_SOFT = 1
 PIN_HARD = 2
 
-_EMPTY = -1
-_ROW = np.dtype("V32")  # one key row as a single value: a row compare is one numpy op
-_TOMB = -2
 
 
 def fingerprint(key: bytes) -> int:
@@ -81,10 +82,12 @@ class LRUTable:
 
     def clear(self) -> None:
         """Forget every block, in place (the coordinator and its index share this object)."""
-        cap = max(16, 1 << (self._initial_capacity - 1).bit_length())
+        # slots need not be a power of two (only the hash table must): a table sized for
+        # N blocks up front holds N rows, not up to 2N
+        cap = max(16, self._initial_capacity)
         self._alloc(cap)
-        self._table = np.full(cap * 2, _EMPTY, dtype=np.int32)
-        self._num_tombs = 0
+        self.sets = HolderSets(cap)
+        self._hash = SlotHash(1 << (cap * 2 - 1).bit_length())
         self._next_slot = 0
         self._free = array("i")
         self._clock = 0
@@ -97,7 +100,6 @@ class LRUTable:
 
     def _alloc(self, cap: int) -> None:
         self.keys = np.zeros((cap, 4), dtype=np.uint64)
-        self.holders = np.zeros(cap, dtype=np.uint64)
         self.nbytes = np.zeros(cap, dtype=np.int64)
         self.parent = np.zeros((cap, 4), dtype=np.uint64)
         self.root = np.zeros(cap, dtype=np.uint32)
@@ -106,84 +108,49 @@ class LRUTable:
         self.hits = np.zeros(cap, dtype=np.uint32)
         self.pin = np.zeros(cap, dtype=np.uint8)
 
-    _COLUMNS = ("keys", "holders", "nbytes", "parent", "root", "last_use", "used_at", "hits",
-                "pin")
+    _COLUMNS = ("keys", "nbytes", "parent", "root", "last_use", "used_at", "hits", "pin")
+
+    @property
+    def holders(self) -> np.ndarray:
+        """One uint64 code per slot: 0 = nobody holds it; equal codes = equal holder lists
+        (see ``holders.HolderSets``; blocks with more than four holders also have a spill)."""
+        return self.sets.codes
 
     def _grow_slots(self) -> None:
         old = {n: getattr(self, n) for n in self._COLUMNS}
         # 1.5x, not 2x: right after a growth up to a third of the slots sit unused, not half
-        self._alloc(len(self.holders) * 3 // 2)
+        self._alloc(len(self.nbytes) * 3 // 2)
         for name, arr in old.items():
             getattr(self, name)[: len(arr)] = arr
+        self.sets.grow(len(self.nbytes))
 
     def nbytes_used(self) -> int:
-        """Bytes of the arrays and the hash table (what the table itself costs)."""
-        arrays = [getattr(self, n) for n in self._COLUMNS] + [self._table]
-        return sum(a.nbytes for a in arrays) + self._free.itemsize * len(self._free)
+        """Bytes of the arrays, holder sets and hash table (what the table itself costs)."""
+        arrays = [getattr(self, n) for n in self._COLUMNS] + [self._hash.table]
+        return (sum(a.nbytes for a in arrays) + self._free.itemsize * len(self._free)
+                + self.sets.nbytes())
 
-    # -- the hash table --------------------------------------------------------------------
-
-    def _find(self, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Slot (or -1) of each packed key, and its table position (meaningful where found).
-
-        The whole batch probes together. At most half full, most keys sit at their home
-        position, so the first round is written without sub-indexing and compares whole
-        32-byte rows as one void value (a handful of numpy calls: this is every lookup's
-        path); only keys that collided go round the loop.
-        """
-        mask = len(self._table) - 1
-        rows = self.keys.view(_ROW)[:, 0]
-        want = packed.view(_ROW)[:, 0]
-        pos = (packed[:, 0] & np.uint64(mask)).astype(np.int64)
-        s = self._table[pos].astype(np.int64)
-        # s == -1 reads the last row: a harmless compare, masked out by s >= 0
-        match = (rows[s] == want) & (s >= 0)
-        slots = np.where(match, s, -1)
-        active = np.flatnonzero(~match & (s != _EMPTY))
-        while active.size:
-            pos[active] = (pos[active] + 1) & mask
-            p = pos[active]
-            s = self._table[p].astype(np.int64)
-            match = (rows[s] == want[active]) & (s >= 0)
-            slots[active[match]] = s[match]
-            active = active[~match & (s != _EMPTY)]
-        return slots, pos
-
-    def _place(self, packed: np.ndarray, slots: np.ndarray) -> None:
-        """Put absent, distinct keys into the table (first free position along each probe)."""
-        mask = len(self._table) - 1
-        pos = (packed[:, 0] & np.uint64(mask)).astype(np.int64)
-        active = np.arange(len(packed))
-        while active.size:
-            p = pos[active]
-            free = self._table[p] < 0
-            cand, pc = active[free], p[free]
-            won_pos, first = np.unique(pc, return_index=True)  # one key per free position
-            winners = cand[first]
-            self._num_tombs -= int((self._table[won_pos] == _TOMB).sum())
-            self._table[won_pos] = slots[winners]
-            keep = np.ones(active.size, dtype=bool)
-            keep[np.flatnonzero(free)[first]] = False
-            active = active[keep]
-            pos[active] = (pos[active] + 1) & mask
+    # -- the hash table (``probe.SlotHash``) -----------------------------------------------
 
     def _rehash(self, table_size: int) -> None:
-        self._table = np.full(table_size, _EMPTY, dtype=np.int32)
-        self._num_tombs = 0
+        self._hash = SlotHash(table_size)
         live = np.flatnonzero(self.holders[: self._next_slot] != 0)
         if live.size:
-            self._place(self.keys[live], live)
+            self._hash.place(self.keys[live], live)
+
+    def _find(self, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self._hash.find(self.keys, packed)
 
     def _reserve(self, n: int) -> None:
         """Keep the table at most half full (counting tombstones) after adding ``n`` keys."""
         need = (self.num_blocks + n) * 2
-        if need > len(self._table):
-            size = len(self._table)
+        if need > len(self._hash.table):
+            size = len(self._hash.table)
             while size < need:
                 size *= 2
             self._rehash(size)
-        elif (self.num_blocks + n + self._num_tombs) * 2 > len(self._table):
-            self._rehash(len(self._table))
+        elif (self.num_blocks + n + self._hash.num_tombs) * 2 > len(self._hash.table):
+            self._rehash(len(self._hash.table))
 
     def _new_slots(self, n: int) -> np.ndarray:
         reuse = min(n, len(self._free))
@@ -192,7 +159,7 @@ class LRUTable:
             out[:reuse] = self._free[len(self._free) - reuse:]
             del self._free[len(self._free) - reuse:]
         fresh = n - reuse
-        while self._next_slot + fresh > len(self.holders):
+        while self._next_slot + fresh > len(self.nbytes):
             self._grow_slots()
         out[reuse:] = np.arange(self._next_slot, self._next_slot + fresh)
         self._next_slot += fresh
@@ -202,9 +169,7 @@ class LRUTable:
         """Forget blocks nobody holds any more."""
         if not slots.size:
             return
-        self._table[where] = _TOMB
-        self._num_tombs += int(slots.size)
-        self.holders[slots] = 0
+        self._hash.forget(where)
         self.hits[slots] = 0
         self.pin[slots] = PIN_NONE
         self._free.extend(slots.astype(np.int32).tolist())
@@ -247,15 +212,13 @@ class LRUTable:
         if missing.size:
             new = self._new_slots(missing.size)
             self.keys[new] = packed[missing]
-            self._place(packed[missing], new)
+            self._hash.place(packed[missing], new)
             slots[missing] = new
             self.num_blocks += int(missing.size)
-            self.holders[new] = 0
+            self.sets.lanes[new] = 0
             self.last_use[new] = 0
             self.used_at[new] = 0.0
-        bit = np.uint64(1 << node)
-        newly = int(((self.holders[slots] & bit) == 0).sum())
-        self.holders[slots] |= bit
+        newly = self.sets.hold(node, slots)
         self.nbytes[slots] = np.asarray(nbytes, dtype=np.int64)
         packed_parents = _pack([p if p else bytes(KEY_NBYTES) for p in parents])
         self.parent[slots] = packed_parents
@@ -319,21 +282,23 @@ class LRUTable:
         slots, where = slots[ok], where[ok]
         slots, first = np.unique(slots, return_index=True)
         where = where[first]
-        bit = np.uint64(1 << node)
-        held = (self.holders[slots] & bit) != 0
-        self.holders[slots] &= ~bit
+        held = self.sets.unhold(node, slots)
         gone = self.holders[slots] == 0
         self._release(slots[gone], where[gone])
         return int(held.sum())
 
     def _slots_of(self, node: int) -> np.ndarray:
-        bit = np.uint64(1 << node)
-        return np.flatnonzero(self.holders[: self._next_slot] & bit)
+        """Table slots node slot ``node`` holds, ascending: O(its blocks), no full scan."""
+        return self.sets.slots_of(node)
+
+    def num_blocks_of(self, node: int) -> int:
+        """How many blocks node slot ``node`` holds."""
+        return self.sets.num_held(node)
 
     def drop_node(self, node: int) -> int:
-        """Forget node slot ``node`` everywhere (it died or left); returns its block count."""
-        slots = self._slots_of(node)
-        self.holders[slots] &= ~np.uint64(1 << node)
+        """Forget node slot ``node`` everywhere (it died or left; the slot may be reused at
+        once); returns its block count."""
+        slots = self.sets.drop(node)
         gone = slots[self.holders[slots] == 0]
         if gone.size:
             where = self._find(self.keys[gone])[1]
@@ -353,11 +318,16 @@ class LRUTable:
         return int(self.nbytes[self._slots_of(node)].sum())
 
     def holder_masks(self, keys: Sequence[bytes]) -> np.ndarray:
-        """Holder bitmask per key (0 for unknown keys)."""
+        """Holder bitmask per key (0 for unknown keys), as Python ints in an object array:
+        bit i = node slot i, as wide as the cluster."""
         slots = self.lookup(keys)
-        out = np.zeros(len(keys), dtype=np.uint64)
-        ok = slots >= 0
-        out[ok] = self.holders[slots[ok]]
+        return self.slot_masks(slots)
+
+    def slot_masks(self, slots: np.ndarray) -> np.ndarray:
+        """Holder bitmask (Python int) per table slot; 0 where the slot is -1."""
+        out = np.zeros(len(slots), dtype=object)
+        ok = np.flatnonzero(slots >= 0)
+        out[ok] = self.sets.masks(slots[ok])
         return out
 
     def set_pin(self, keys: Sequence[bytes], level: int) -> int:
@@ -376,9 +346,9 @@ class LRUTable:
         slots = np.flatnonzero((self.root[:n] == rid) & (self.holders[:n] != 0))
         return self.key_of(slots)
 
-    def live_holders(self) -> int:
-        """OR of every block's holder mask: the node slots that hold at least one block."""
-        return int(np.bitwise_or.reduce(self.holders[: self._next_slot], initial=0))
+    def live_nodes(self) -> list[int]:
+        """The node slots that hold at least one block, ascending."""
+        return self.sets.live_nodes()
 
     def top(self, k: int) -> list[tuple[bytes, int]]:
         """The ``k`` most touched blocks with their touch counts."""
@@ -392,47 +362,8 @@ class LRUTable:
         return [(self.keys[i].tobytes(), int(hits[i])) for i in idx if hits[i] > 0]
 
     def plan(self, node: int, nbytes_to_free: int, exclude: Sequence[bytes] = ()) -> list[bytes]:
-        """Keys node slot ``node`` should evict to free ``nbytes_to_free`` bytes.
+        """Keys node slot ``node`` should evict to free ``nbytes_to_free`` bytes (see
+        ``planner.plan_evictions``: LRU, children before parents, hard pins never)."""
+        from kvstore.coordinator.planner import plan_evictions  # it imports this module
 
-        Least recently used first; a block whose child is on the same node waits until the
-        child is chosen (evicting a parent would orphan the chain); hard pins never; soft pins
-        only when nothing unpinned is left. Children are counted over *every* block the node
-        holds: a hard-pinned or excluded child is never chosen, so its ancestors stay too.
-        """
-        if nbytes_to_free <= 0:
-            return []
-        held = self._slots_of(node)
-        if not held.size:
-            return []
-        eligible = self.pin[held] != PIN_HARD
-        if exclude:
-            skip = self.lookup(exclude)
-            eligible &= ~np.isin(held, skip[skip >= 0])
-        fps = self.keys[held, 0]
-        order = np.argsort(fps, kind="stable")
-        sorted_fps = fps[order]
-        # children on this node per block: count held blocks whose parent is that block
-        parents = self.parent[held, 0]
-        pidx = np.minimum(np.searchsorted(sorted_fps, parents), sorted_fps.size - 1)
-        has_parent = sorted_fps[pidx] == parents
-        parent_pos = np.full(held.size, -1, dtype=np.int64)
-        parent_pos[has_parent] = order[pidx[has_parent]]
-        children = np.bincount(parent_pos[has_parent], minlength=held.size)
-        soft = self.pin[held] == PIN_SOFT
-        last = self.last_use[held]
-        sizes = self.nbytes[held]
-        ready = np.flatnonzero((children == 0) & eligible)
-        heap = list(zip(soft[ready].tolist(), last[ready].tolist(), ready.tolist(), strict=True))
-        heapq.heapify(heap)
-        chosen: list[int] = []
-        freed = 0
-        while heap and freed < nbytes_to_free:
-            _, _, i = heapq.heappop(heap)
-            chosen.append(i)
-            freed += int(sizes[i])
-            p = int(parent_pos[i])
-            if p >= 0:
-                children[p] -= 1
-                if children[p] == 0 and eligible[p]:
-                    heapq.heappush(heap, (bool(soft[p]), int(last[p]), p))
-        return self.key_of(held[np.asarray(chosen, dtype=np.int64)]) if chosen else []
+        return plan_evictions(self, node, nbytes_to_free, exclude)

@@ -2,12 +2,14 @@
 
 In memory mode the coordinator used to keep every block twice, in its LRU table (~110 B) and
 in an ``InMemoryIndex`` of dicts and sets (~470 B). Here the table *is* the index: holders are
-its bitmask (node ids map to bits in a 64-entry registry), size, parent, namespace root and
-last use are its columns, so each block costs one table row and no Python object at all.
+its holder sets (node ids map to node slots in a registry of up to ``MAX_NODES``), size,
+parent, namespace root and last use are its columns, so each block costs one table row and no
+Python object at all.
 
-Node bits: a node keeps its bit from its first publish (or ``claim_node``) until
-``drop_node``, so the coordinator can use the bit as its node slot; a bit whose node holds
-nothing and was never claimed is recycled when all 64 are taken.
+Node slots ("bits", from when holders were one 64-bit mask): a node keeps its slot from its
+first publish (or ``claim_node``) until ``drop_node``, so the coordinator can use it as its
+node slot; the lowest free slot is taken first, and a slot whose node holds nothing and was
+never claimed is recycled when all ``max_nodes`` are taken.
 
 Keys are 32 bytes (sha256 block keys): other lengths are rejected with a ``KVStoreError``
 instead of being silently never found.
@@ -15,20 +17,22 @@ instead of being silently never found.
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from kvstore.api import PrefixHit
 from kvstore.constants import KEY_NBYTES
+from kvstore.coordinator.holders import decode
 from kvstore.coordinator.lru import MAX_NODES, LRUTable
 from kvstore.errors import KVStoreError
 from kvstore.index.base import IndexEntry, InProcessMarker, KeyInfo
 from kvstore.index.checks import check_entries, check_keys, check_node_id
 
-#: distinct holder masks whose sorted node-id tuple is cached (one per replica set in use)
+#: distinct holder codes whose sorted node-id tuple is cached (one per replica set in use)
 _MAX_CACHED_MASKS = 4096
 
 
@@ -49,13 +53,17 @@ def _check_types(keys: Sequence[bytes]) -> None:
 class TableIndex(InProcessMarker):
     """``kvstore.index.base.Index`` over one ``LRUTable``: every block stored once, compactly."""
 
-    def __init__(self, table: LRUTable | None = None) -> None:
+    def __init__(self, table: LRUTable | None = None, max_nodes: int = MAX_NODES) -> None:
+        if not 0 < max_nodes <= MAX_NODES:
+            raise ValueError(f"max_nodes must be in 1..{MAX_NODES}, got {max_nodes}")
         self.table = LRUTable() if table is None else table
+        self.max_nodes = max_nodes
         # Re-entrant: the coordinator takes it around calls that also enter the index.
         self.lock = threading.RLock()
         self._bits: dict[str, int] = {}
-        self._names: list[str | None] = [None] * MAX_NODES
-        self._claimed = 0  # bits the coordinator uses as node slots: never recycled
+        self._names: list[str | None] = []  # by slot; grows up to max_nodes
+        self._free: list[int] = []  # released slots, a min-heap: the lowest is reused first
+        self._claimed: set[int] = set()  # slots the coordinator uses as node slots: kept
         self._mask_names: dict[int, tuple[str, ...]] = {}
 
     # -- node bits -------------------------------------------------------------------------
@@ -65,32 +73,37 @@ class TableIndex(InProcessMarker):
         check_node_id(node_id)
         with self.lock:
             bit = self._bit(node_id)
-            self._claimed |= 1 << bit
+            self._claimed.add(bit)
             return bit
 
     def _bit(self, node_id: str) -> int:
         bit = self._bits.get(node_id)
         if bit is not None:
             return bit
-        free = [b for b, n in enumerate(self._names) if n is None]
-        if not free:  # recycle bits of nodes that hold nothing and nobody claimed
-            busy = self.table.live_holders() | self._claimed
+        if not self._free and len(self._names) >= self.max_nodes:
+            # recycle slots of nodes that hold nothing and nobody claimed
+            busy = set(self.table.live_nodes()) | self._claimed
             for b, name in enumerate(self._names):
-                if not busy >> b & 1 and name is not None:
+                if b not in busy and name is not None:
                     self._release(name)
-                    free.append(b)
-        if not free:
-            raise KVStoreError(f"the index tracks at most {MAX_NODES} store nodes; "
+        if self._free:
+            bit = heapq.heappop(self._free)
+            self._names[bit] = node_id
+        elif len(self._names) < self.max_nodes:
+            bit = len(self._names)
+            self._names.append(node_id)
+        else:
+            raise KVStoreError(f"the index tracks at most {self.max_nodes} store nodes; "
                                "drain or remove one first")
-        self._bits[node_id] = free[0]
-        self._names[free[0]] = node_id
+        self._bits[node_id] = bit
         self._mask_names.clear()
-        return free[0]
+        return bit
 
     def _release(self, node_id: str) -> None:
         bit = self._bits.pop(node_id)
         self._names[bit] = None
-        self._claimed &= ~(1 << bit)
+        heapq.heappush(self._free, bit)
+        self._claimed.discard(bit)
         self._mask_names.clear()
 
     def _slots(self, keys: Sequence[bytes]) -> np.ndarray:
@@ -102,16 +115,25 @@ class TableIndex(InProcessMarker):
             check_keys(keys)  # an empty key is a TypeError, as on the other backends
             raise
 
-    def _holder_lists(self, masks: np.ndarray) -> list[list[str]]:
-        """Sorted node ids per mask; one fresh list per key (the reply owns it)."""
+    def _names_of(self, bits: Iterable[int]) -> tuple[str, ...]:
+        names = self._names
+        return tuple(sorted(n for n in map(names.__getitem__, bits) if n is not None))
+
+    def _holder_lists(self, slots: np.ndarray, known: bool = False) -> list[list[str]]:
+        """Sorted node ids per slot (-1: none, unless ``known``); one fresh list per key (the
+        reply owns it)."""
         cache = self._mask_names
         if len(cache) > _MAX_CACHED_MASKS:
             cache.clear()
-        mask_list = masks.tolist()
-        for m in set(mask_list).difference(cache):  # a chain has one or two distinct masks
-            cache[m] = tuple(sorted(n for b, n in enumerate(self._names)
-                                    if m >> b & 1 and n is not None))
-        return list(map(list, map(cache.__getitem__, mask_list)))  # C loops, no per-key bytecode
+        sets = self.table.sets
+        codes = sets.codes[slots]
+        codes = (codes if known else np.where(slots >= 0, codes, 0)).tolist()
+        for c in set(codes).difference(cache):  # a chain has one or two distinct codes
+            cache[c] = self._names_of(decode(c))
+        out = list(map(list, map(cache.__getitem__, codes)))  # C loops, no per-key bytecode
+        for i in sets.spilled_rows(slots):  # more than four holders: rare, listed one by one
+            out[i] = list(self._names_of(sets.holders_of(int(slots[i]))))
+        return out
 
     # -- the Index protocol ----------------------------------------------------------------
 
@@ -136,15 +158,14 @@ class TableIndex(InProcessMarker):
             slots = self._slots(keys)
             missing = np.flatnonzero(slots < 0)
             n = int(missing[0]) if missing.size else len(slots)
-            found = self._holder_lists(self.table.holders[slots[:n]])
+            found = self._holder_lists(slots[:n], known=True)
         return PrefixHit(num_blocks=n, holders=found)
 
     def holders(self, keys: Sequence[bytes]) -> list[list[str]]:
         """The holders of each key (empty list for an unknown key)."""
         with self.lock:
             slots = self._slots(keys)
-            masks = np.where(slots >= 0, self.table.holders[slots], 0)
-            return self._holder_lists(masks)
+            return self._holder_lists(slots)
 
     def info(self, keys: Sequence[bytes]) -> list[KeyInfo | None]:
         """Everything known about each key, ``None`` for an unknown key."""
@@ -152,7 +173,7 @@ class TableIndex(InProcessMarker):
         with self.lock:
             slots = self._slots(keys)
             known = slots[slots >= 0]
-            holders = iter(self._holder_lists(t.holders[known]))
+            holders = iter(self._holder_lists(known, known=True))
             out: list[KeyInfo | None] = []
             for key, s in zip(keys, slots.tolist(), strict=True):
                 if s < 0:
@@ -202,8 +223,8 @@ class TableIndex(InProcessMarker):
     def nodes(self) -> list[str]:
         """The nodes that hold at least one key."""
         with self.lock:
-            live = self.table.live_holders()
-            return sorted(n for b, n in enumerate(self._names) if n is not None and live >> b & 1)
+            return sorted(n for n in map(self._names.__getitem__, self.table.live_nodes())
+                          if n is not None)
 
     def num_keys(self) -> int:
         """How many keys have at least one holder."""
@@ -214,8 +235,9 @@ class TableIndex(InProcessMarker):
         with self.lock:
             self.table.clear()
             self._bits.clear()
-            self._names = [None] * MAX_NODES
-            self._claimed = 0
+            self._names = []
+            self._free = []
+            self._claimed = set()
             self._mask_names.clear()
 
     def close(self) -> None:
