@@ -7,12 +7,25 @@ index half-updated; and a ``str`` where bytes belong raises instead of silently 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from kvstore.index.base import IndexEntry
+
+_FIELDS = attrgetter("key", "parent_key", "namespace_root", "node_id", "nbytes")
 
 
 def check_entries(entries: Sequence[IndexEntry]) -> None:
     """Reject malformed entries before anything is written, so a bad batch changes nothing."""
+    # Fast path in C loops (the per-entry loop below was a tenth of a 200-entry Redis publish):
+    # only exact types pass here; anything else gets the exact check and its message.
+    if not entries:
+        return
+    if set(map(type, entries)) <= {IndexEntry}:
+        keys, parents, roots, nodes, sizes = zip(*map(_FIELDS, entries), strict=True)
+        if (set(map(type, keys + parents + roots)) <= {bytes} and all(keys) and all(parents)
+                and all(roots) and set(map(type, nodes)) <= {str} and all(nodes)
+                and set(map(type, sizes)) <= {int} and min(sizes) >= 0):
+            return
     for e in entries:
         if not isinstance(e, IndexEntry):
             raise TypeError(f"publish takes IndexEntry objects, got {type(e).__name__}")
@@ -26,6 +39,10 @@ def check_keys(keys: Sequence[bytes]) -> None:
     """Keys are non-empty bytes; a str here is a caller bug that would silently never match."""
     if isinstance(keys, (bytes, str)):
         raise TypeError("pass a sequence of keys, not a single key")
+    # Fast path in C loops (a 2,048-key lookup would otherwise spend a tenth of its time here):
+    # every key exactly bytes, none empty. Anything else falls through to the exact check.
+    if set(map(type, keys)) <= {bytes} and all(keys):
+        return
     for k in keys:
         if not isinstance(k, bytes) or not k:
             raise TypeError(f"index keys must be non-empty bytes, got {k!r:.80}")
