@@ -10,6 +10,12 @@ from __future__ import annotations
 #: Bytes of a block key: a sha256 digest (docs/design.md §3.1).
 KEY_NBYTES = 32
 
+#: A block's pin level in the coordinator's table (one byte per block): soft pins are evicted
+#: last, hard pins never.
+PIN_NONE = 0
+PIN_SOFT = 1
+PIN_HARD = 2
+
 #: dtype names as a namespace spells them: torch's names without the ``torch.`` prefix.
 DTYPE_NAMES: tuple[str, ...] = ("float16", "bfloat16", "float32", "int8")
 

@@ -33,18 +33,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.constants import KEY_NBYTES
+from kvstore.constants import KEY_NBYTES, PIN_HARD, PIN_NONE, PIN_SOFT
 from kvstore.coordinator.holders import MAX_NODES, HolderSets
+from kvstore.coordinator.planner import plan_evictions
 from kvstore.coordinator.probe import SlotHash
 from kvstore.errors import KVStoreError
 
 __all__ = ["MAX_NODES", "PIN_HARD", "PIN_NONE", "PIN_SOFT", "Candidate", "LRUTable",
            "fingerprint"]
-
-
-PIN_NONE = 0
-PIN_SOFT = 1
-PIN_HARD = 2
 
 
 
@@ -364,6 +360,4 @@ class LRUTable:
     def plan(self, node: int, nbytes_to_free: int, exclude: Sequence[bytes] = ()) -> list[bytes]:
         """Keys node slot ``node`` should evict to free ``nbytes_to_free`` bytes (see
         ``planner.plan_evictions``: LRU, children before parents, hard pins never)."""
-        from kvstore.coordinator.planner import plan_evictions  # it imports this module
-
         return plan_evictions(self, node, nbytes_to_free, exclude)

@@ -4,13 +4,29 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
-from kvstore.coordinator.lru import PIN_HARD, PIN_SOFT, LRUTable
+from kvstore.constants import PIN_HARD, PIN_SOFT
 
 
-def plan_evictions(table: LRUTable, node: int, nbytes_to_free: int,
+class PlannedTable(Protocol):
+    """What the planner reads of ``lru.LRUTable`` (a protocol, so the table can call the
+    planner without the two modules importing each other)."""
+
+    keys: np.ndarray
+    parent: np.ndarray
+    pin: np.ndarray
+    last_use: np.ndarray
+    nbytes: np.ndarray
+
+    def _slots_of(self, node: int) -> np.ndarray: ...
+    def lookup(self, keys: Sequence[bytes]) -> np.ndarray: ...
+    def key_of(self, slots: np.ndarray) -> list[bytes]: ...
+
+
+def plan_evictions(table: PlannedTable, node: int, nbytes_to_free: int,
                    exclude: Sequence[bytes] = ()) -> list[bytes]:
     """Keys node slot ``node`` should evict to free ``nbytes_to_free`` bytes.
 
