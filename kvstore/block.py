@@ -265,8 +265,16 @@ def verify_block(
     *,
     verify_checksum: bool = True,
 ) -> BlockHeader:
-    """Check a block against what the reader asked for; raises the first mismatch found."""
+    """Check a block against what the reader asked for; raises the first mismatch found.
+
+    A block whose header is byte for byte the canonical one (``_verify_canonical``) passes
+    without parsing msgpack; anything else takes the field-by-field path below, which is also
+    what names the error.
+    """
     view = _as_bytes_view(buf)
+    fast = _verify_canonical(view, namespace, key, token_ids, verify_checksum)
+    if fast is not None:
+        return fast
     header = read_header(view)
     if header.schema_version != namespace.schema_version:
         raise NamespaceMismatch(
@@ -312,3 +320,127 @@ def decode_block(
     """Verify a block and return its payload as a ``[L, 2, bs, H, D]`` view into ``buf``."""
     verify_block(buf, namespace, key, token_ids, verify_checksum=verify_checksum)
     return payload_view(buf, namespace)
+
+
+# -- the batch codec ----------------------------------------------------------------------------
+# A namespace fixes every header byte except four fields (key, parent key, tokens, checksum), so
+# a whole batch is encoded as column writes into a [n, block_nbytes] array, and a block whose
+# header equals the template outside those fields is verified with slices instead of msgpack.
+
+
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """A namespace's canonical block prefix (length word + header + pad) and its four holes."""
+
+    prefix: bytes  # payload_offset bytes, the four fields zeroed
+    key: slice
+    parent_key: slice
+    token_ids: slice
+    checksum: slice
+
+
+@functools.lru_cache(maxsize=256)
+def _template(namespace: Namespace) -> _Template:
+    zero = _header_for(namespace, bytes(KEY_NBYTES), bytes(KEY_NBYTES),
+                       bytes(8 * namespace.block_size), bytes(8))
+    fields = [zero.schema_version, zero.namespace_root, zero.key, zero.parent_key,
+              zero.token_ids, zero.dtype, zero.num_layers, zero.block_size, zero.num_kv_heads,
+              zero.head_dim, zero.checksum]
+    packed = zero.pack()
+    # msgpack writes a list as its array marker followed by each element packed on its own,
+    # and a bin field's bytes come last in its packing: that gives each hole's position.
+    pos = _LEN.size + len(packed) - sum(len(msgpack.packb(f)) for f in fields)
+    holes = []
+    for f in fields:
+        n = len(msgpack.packb(f))
+        if isinstance(f, bytes):
+            holes.append(slice(pos + n - len(f), pos + n))
+        pos += n
+    prefix = bytearray(payload_offset(namespace))
+    prefix[: _LEN.size] = _LEN.pack(len(packed))
+    prefix[_LEN.size : _LEN.size + len(packed)] = packed
+    root, key, parent, tokens, digest = holes
+    prefix[root] = namespace.root
+    return _Template(bytes(prefix), key, parent, tokens, digest)
+
+
+def _verify_canonical(view: memoryview, namespace: Namespace, key: bytes,
+                      token_ids: Sequence[int] | np.ndarray | torch.Tensor | None,
+                      verify_checksum: bool) -> BlockHeader | None:
+    """``verify_block``'s verdict for a canonical block, or None: let the full path decide.
+
+    Accepting here implies the full path accepts (the header is the template with this key,
+    a parent and tokens that chain to it, and the payload's checksum); any doubt returns None.
+    """
+    t = _template(namespace)
+    off = len(t.prefix)
+    end = off + namespace.payload_nbytes
+    if len(view) < end or view[t.key] != key:
+        return None
+    parent = view[t.parent_key].tobytes()
+    tokens = view[t.token_ids].tobytes()
+    digest = view[t.checksum].tobytes()
+    p = t.prefix
+    if (view[: t.key.start] != p[: t.key.start]
+            or view[t.key.stop : t.parent_key.start] != p[t.key.stop : t.parent_key.start]
+            or view[t.parent_key.stop : t.token_ids.start]
+            != p[t.parent_key.stop : t.token_ids.start]
+            or view[t.token_ids.stop : t.checksum.start] != p[t.token_ids.stop : t.checksum.start]
+            or view[t.checksum.stop : off] != p[t.checksum.stop :]):
+        return None
+    if token_ids is not None and tokens != tokens_to_bytes(token_ids):
+        return None
+    if hashlib.sha256(parent + tokens).digest() != key:
+        return None
+    if verify_checksum and checksum(view[off:end]) != digest:
+        return None
+    return _header_for(namespace, bytes(key), parent, tokens, digest)
+
+
+def encode_blocks_into(
+    out: np.ndarray,
+    namespace: Namespace,
+    keys: Sequence[bytes],
+    parent_keys: Sequence[bytes],
+    token_ids: Sequence[Sequence[int] | np.ndarray | torch.Tensor],
+    payloads: Sequence[torch.Tensor],
+) -> None:
+    """``encode_block_into`` for a batch: block ``i`` into row ``i`` of a uint8 ``out``.
+
+    Byte for byte what the one-block encoder writes (tests compare them), in a handful of
+    array writes plus one xxh3 call per block instead of a msgpack pack and a tensor view each.
+    """
+    n = len(keys)
+    if not n == len(parent_keys) == len(token_ids) == len(payloads):
+        raise ValueError("keys, parent_keys, token_ids and payloads must have the same length")
+    total = block_nbytes(namespace)
+    if out.dtype != np.uint8 or out.ndim != 2 or out.shape[0] < n or out.shape[1] < total \
+            or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous uint8 array of at least [{n}, {total}]")
+    for i, p in enumerate(payloads):
+        if tuple(p.shape) != namespace.payload_shape or p.dtype != namespace.torch_dtype:
+            raise ValueError(f"payload {i} is {p.dtype}{tuple(p.shape)}, the namespace wants "
+                             f"{namespace.torch_dtype}{namespace.payload_shape}")
+    # One C call for the common case (lists of ints): numpy infers int64, and floats or
+    # out-of-range values give a non-integer dtype, refused below as the one-block path does.
+    tokens = np.array([t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t
+                       for t in token_ids]) if n else np.empty((0, 0))
+    if tokens.shape != (n, namespace.block_size) or not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"every block holds exactly {namespace.block_size} integer tokens")
+    joined_keys, joined_parents = b"".join(keys), b"".join(parent_keys)
+    if len(joined_keys) != n * KEY_NBYTES or len(joined_parents) != n * KEY_NBYTES:
+        raise ValueError("keys and parent_keys must be 32-byte sha256 digests")
+    t = _template(namespace)
+    off = len(t.prefix)
+    end = off + namespace.payload_nbytes
+    rows = out[:n]
+    rows[:, :off] = np.frombuffer(t.prefix, dtype=np.uint8)
+    rows[:, t.key] = np.frombuffer(joined_keys, dtype=np.uint8).reshape(n, KEY_NBYTES)
+    rows[:, t.parent_key] = np.frombuffer(joined_parents, dtype=np.uint8).reshape(n, KEY_NBYTES)
+    rows[:, t.token_ids] = tokens.astype("<i8", copy=False).view(np.uint8)
+    # numpy does the strided row copy (torch's copy_ into row views was 10x slower here).
+    src = torch.stack([p.detach().to("cpu") for p in payloads]).reshape(n, -1)
+    rows[:, off:end] = src.view(torch.uint8).numpy()
+    digest = xxhash.xxh3_64_digest
+    rows[:, t.checksum] = np.frombuffer(b"".join(digest(r) for r in rows[:, off:end]),
+                                        dtype=np.uint8).reshape(n, 8)

@@ -16,6 +16,7 @@ process, and pushed to the reader's own store node every ``FLUSH_INTERVAL_S`` an
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import time
@@ -36,7 +37,7 @@ from kvstore.api import (
     PrefixHit,
     TokenIds,
 )
-from kvstore.block import block_nbytes, encode_block_into, payload_offset
+from kvstore.block import block_nbytes, encode_blocks_into, payload_offset
 from kvstore.config import ClientConfig
 from kvstore.errors import (
     BlockCorrupted,
@@ -46,6 +47,7 @@ from kvstore.errors import (
     NodeUnavailable,
 )
 from kvstore.index.base import Index
+from kvstore.index.view import IndexView
 from kvstore.keys import Namespace
 from kvstore.node.client import StoreNodeClient
 
@@ -64,6 +66,9 @@ class ClusterStore:
         self.local_node_id = local_node_id or node_id
         self.index = index
         self.config = config or ClientConfig()
+        # Lookups and holder queries go through a view that trusts recent positive answers
+        # for config.index_view_ttl_s (kvstore.index.view: staleness is a miss, never wrong KV).
+        self.view = IndexView(index, self.config.index_view_ttl_s)
         self.lease_ttl_s = lease_ttl_s
         self._resolve = _resolver(directory)
         self._clients: dict[str, StoreNodeClient] = {}
@@ -75,7 +80,7 @@ class ClusterStore:
 
     # -- the facade -------------------------------------------------------------------------
     def lookup_prefix(self, namespace: Namespace, keys: Sequence[bytes]) -> PrefixHit:
-        return self.index.lookup_prefix(list(keys))
+        return self.view.lookup_prefix(list(keys))
 
     def batch_get(self, namespace: Namespace, keys: Sequence[bytes],
                   token_ids: Sequence[TokenIds]) -> list[FetchedBlock | Miss]:
@@ -101,22 +106,26 @@ class ClusterStore:
         keys = [bytes(k) for k in keys]
         results: list[str | None] = [None] * len(keys)  # the node that served each block
         try:
-            holders = self.index.holders(keys)
+            holders = self.view.holders(keys)
         except Exception as exc:  # the index being down is a miss for everyone, not a crash
             return [Miss(k, MISS_NODE_UNAVAILABLE, f"index: {exc}") for k in keys]
         # Candidates per key, own node first; a node that fails is dropped for the next round.
         candidates = [self._order(h) for h in holders]
+        tried: list[set[str]] = [set() for _ in keys]
         last_miss: dict[int, Miss] = {}
-        while True:
-            groups: dict[str, list[int]] = {}
-            for i, cands in enumerate(candidates):
-                if results[i] is None and cands:
-                    groups.setdefault(cands.pop(0), []).append(i)
-            if not groups:
-                break
-            for node, idxs in groups.items():
-                self._fetch_group(namespace, node, idxs, keys, token_ids, out, results,
-                                  last_miss)
+        self._fetch_rounds(namespace, keys, token_ids, out, candidates, tried, results,
+                           last_miss)
+        # Holders that turned out not to hold a key (or failed) were dropped from the view by
+        # _fetch_group: if the view answered from memory, its promise may have been stale, so
+        # ask the index once for those keys and try any holder not tried yet.
+        again = [i for i in last_miss if results[i] is None and self.view.ttl_s > 0]
+        if again:
+            with contextlib.suppress(Exception):  # the index is down: they stay misses
+                fresh = self.view.holders([keys[i] for i in again])
+                for i, h in zip(again, fresh, strict=True):
+                    candidates[i] = [n for n in self._order(h) if n not in tried[i]]
+                self._fetch_rounds(namespace, keys, token_ids, out, candidates, tried,
+                                   results, last_miss)
         # Every row's payload view in one go (unbind is one C call, indexing rows is not).
         start = payload_offset(namespace)
         payloads = out[: len(keys), start : start + namespace.payload_nbytes] \
@@ -135,13 +144,13 @@ class ClusterStore:
     def batch_put(self, namespace: Namespace, blocks: Sequence[BlockPut]) -> None:
         if not blocks:
             return
-        nbytes = block_nbytes(namespace)
-        encoded = []
-        for b in blocks:
-            buf = bytearray(nbytes)
-            encode_block_into(buf, namespace, b.key, b.parent_key, b.token_ids, b.payload)
-            encoded.append((bytes(b.key), buf))
-        self._client(self.node_id).put_blocks(namespace, encoded)
+        # One [n, block_nbytes] array for the batch, encoded column-wise (kvstore.block).
+        rows = np.empty((len(blocks), block_nbytes(namespace)), dtype=np.uint8)
+        keys = [bytes(b.key) for b in blocks]
+        encode_blocks_into(rows, namespace, keys, [b.parent_key for b in blocks],
+                           [b.token_ids for b in blocks], [b.payload for b in blocks])
+        self._client(self.node_id).put_blocks(namespace, list(zip(keys, rows, strict=True)))
+        self.view.put(keys, self.node_id)
 
     def flush_metrics(self, *, resolve: bool = True) -> bool:
         """Push this process's reader metrics to our store node now; False if it failed (they
@@ -184,6 +193,25 @@ class ClusterStore:
     def _push_loop(self) -> None:
         while not self._closed.wait(reader_metrics.FLUSH_INTERVAL_S):
             self.flush_metrics(resolve=False)
+
+    def _fetch_rounds(self, namespace: Namespace, keys: list[bytes],
+                      token_ids: Sequence[TokenIds], out: torch.Tensor,
+                      candidates: list[list[str]], tried: list[set[str]],
+                      results: list[str | None], last_miss: dict[int, Miss]) -> None:
+        """Fetch each unserved key from its next candidate, grouped by node, until every key
+        is served or out of candidates."""
+        while True:
+            groups: dict[str, list[int]] = {}
+            for i, cands in enumerate(candidates):
+                if results[i] is None and cands:
+                    node = cands.pop(0)
+                    tried[i].add(node)
+                    groups.setdefault(node, []).append(i)
+            if not groups:
+                return
+            for node, idxs in groups.items():
+                self._fetch_group(namespace, node, idxs, keys, token_ids, out, results,
+                                  last_miss)
 
     def _order(self, holders: Sequence[str]) -> list[str]:
         own = [h for h in holders if h == self.local_node_id]
@@ -236,6 +264,7 @@ class ClusterStore:
         except (KVStoreError, OSError, ValueError) as exc:
             if isinstance(exc, NodeUnavailable):
                 self._drop_client(node)  # reconnect (or re-resolve) next time
+            self.view.forget([keys[i] for i in idxs])
             for i in idxs:
                 last_miss[i] = Miss(keys[i], MISS_NODE_UNAVAILABLE, f"{node[:12]}: {exc}")
             return
@@ -244,6 +273,7 @@ class ClusterStore:
         for i, outcome in zip(idxs, got, strict=True):
             if outcome is None:
                 last_miss[i] = Miss(keys[i], MISS_NOT_FOUND, f"{node[:12]} no longer holds it")
+                self.view.forget([keys[i]])  # a stale promise: ask the index next time
             elif isinstance(outcome, (BlockCorrupted, BlockMismatch)):
                 miss = last_miss[i] = Miss.rejected(keys[i], outcome, node[:12])
                 reader_metrics.record_rejected(miss.reason)

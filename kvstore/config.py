@@ -111,10 +111,14 @@ class ClientConfig:
     # on one connection: the node streams one while the next is already queued.
     bulk_request_blocks: int = 32
     bulk_pipeline_depth: int = 4
+    # How long a reader trusts a holder the index told it (or its own Put), without asking
+    # again; 0 asks the index every time. Staleness costs misses, never wrong KV (design.md §4).
+    index_view_ttl_s: float = 1.0
 
     def __post_init__(self) -> None:
         self.max_message_bytes = parse_size(self.max_message_bytes)
         _check(self.timeout_s > 0, "client.timeout_s must be > 0 seconds")
+        _check(0 <= self.index_view_ttl_s <= 60, "client.index_view_ttl_s must be in [0, 60]")
         _check(self.retries >= 0, "client.retries must be >= 0")
         _check(1 <= self.bulk_request_blocks <= 4096,
                "client.bulk_request_blocks must be between 1 and 4096")

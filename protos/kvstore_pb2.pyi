@@ -27,18 +27,20 @@ class NamespaceSpec(_message.Message):
     def __init__(self, schema_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PutChunk(_message.Message):
-    __slots__ = ("namespace", "key", "total_nbytes", "offset", "data")
+    __slots__ = ("namespace", "key", "total_nbytes", "offset", "data", "keys")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NBYTES_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
     namespace: NamespaceSpec
     key: bytes
     total_nbytes: int
     offset: int
     data: bytes
-    def __init__(self, namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., key: _Optional[bytes] = ..., total_nbytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., key: _Optional[bytes] = ..., total_nbytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("num_stored", "num_existing")

@@ -33,6 +33,7 @@ from kvstore.config import ClientConfig, KVStoreConfig, ServerConfig
 from kvstore.errors import BlockCorrupted, BlockMismatch, KVStoreError, NodeUnavailable, PoolFull
 from kvstore.index.base import IndexEntry
 from kvstore.index.factory import make_index
+from kvstore.index.packed import PackedEntries
 from kvstore.node.client import StoreNodeClient
 from kvstore.node.pool import BlockPool
 from kvstore.node.server import StoreServer
@@ -182,7 +183,8 @@ class StoreNode:
         """Make freshly stored blocks visible before Put returns (raises = Put fails)."""
         if self._redis is not None:
             self._redis.publish(entries)
-        self._call("publish", self.node_id, entries)
+        # Packed: the coordinator gets the same list[IndexEntry], pickled as a few byte strings.
+        self._call("publish", self.node_id, PackedEntries(entries))
 
     def _record_reads(self, keys: Sequence[bytes], reader_node_id: str) -> None:
         """Touch ``keys``; reads from another (named) node also count toward replication."""

@@ -3,9 +3,10 @@
 Errors leave as gRPC status codes here (the table is in ``kvstore.node.wire``). Put is two-phase
 per block (reserve arena space -> copy the chunks in -> verify header and checksum -> commit),
 and the Put call returns only after ``on_publish`` made the keys visible in the index, so a
-reader that asks after ``put`` returned finds them. Remote bulk reads go through
-``kvstore.node.bulk`` instead of ``Get`` when the client has its address (see that module for
-why).
+reader that asks after ``put`` returned finds them (concurrent Puts share one ``on_publish``
+call: ``kvstore.node.publisher``). Small blocks arrive many to a message (``PutChunk.keys``).
+Remote bulk reads go through ``kvstore.node.bulk`` instead of ``Get`` when the client has its
+address (see that module for why).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from kvstore.index.base import IndexEntry
 from kvstore.keys import Namespace
 from kvstore.node.bulk import BulkServer
 from kvstore.node.pool import ServedPool
+from kvstore.node.publisher import CoalescingPublisher
 from kvstore.node.wire import (
     AuthInterceptor,
     grpc_options,
@@ -91,8 +93,13 @@ class _Servicer(pb_grpc.StoreNodeServicer):
                     if not msg.HasField("namespace"):
                         raise ValueError("the first Put message must carry the namespace")
                     namespace = namespace_from_spec(msg.namespace)
+                if msg.keys:
+                    if current is not None:
+                        raise ValueError("a Put batch message arrived inside a chunked block")
+                    num_existing += self._put_batch(msg, namespace, entries)
+                    continue
                 if current is None:
-                    current = self._begin_block(msg)
+                    current = self._begin_block(msg.key, msg.total_nbytes)
                 elif msg.key and msg.key != current.key:
                     raise ValueError("a Put block ended early: its chunks stopped before "
                                      f"total_nbytes={current.total}")
@@ -127,10 +134,30 @@ class _Servicer(pb_grpc.StoreNodeServicer):
         metrics.observe_put(time.perf_counter() - started)
         return pb.PutResponse(num_stored=len(entries), num_existing=num_existing)
 
-    def _begin_block(self, msg: pb.PutChunk) -> _PutBlock:
-        key = bytes(msg.key)
-        _check_keys([key])
+    def _put_batch(self, msg: pb.PutChunk, namespace: Namespace, entries: list[IndexEntry]
+                   ) -> int:
+        """Store the whole blocks of one batch message (appending to ``entries`` as each one
+        commits, so a failure keeps the good ones before it); returns how many were held."""
         total = msg.total_nbytes
+        if len(msg.data) != total * len(msg.keys):
+            raise ValueError(f"a Put batch of {len(msg.keys)} blocks of {total} bytes carries "
+                             f"{len(msg.data)} bytes")
+        data = memoryview(msg.data)
+        num_existing = 0
+        for i, key in enumerate(msg.keys):
+            block = self._begin_block(key, total)
+            if block.reservation is not None:
+                block.reservation.view[:total] = data[i * total : (i + 1) * total]
+            entry = self._finish_block(block, namespace)
+            if entry is None:
+                num_existing += 1
+            else:
+                entries.append(entry)
+        return num_existing
+
+    def _begin_block(self, key: bytes, total: int) -> _PutBlock:
+        key = bytes(key)
+        _check_keys([key])
         if total <= 0:
             raise ValueError("Put block total_nbytes must be > 0")
         if total > self.s.max_block_bytes:
@@ -157,9 +184,9 @@ class _Servicer(pb_grpc.StoreNodeServicer):
                           header.namespace_root)
 
     def _publish(self, entries: list[IndexEntry], context: grpc.ServicerContext) -> None:
-        if entries and self.s.on_publish is not None:
+        if entries and self.s.publisher is not None:
             try:
-                self.s.on_publish(entries)
+                self.s.publisher.publish(entries)
             except Exception as exc:  # the index is down: the caller must not think it's visible
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"blocks stored but the index "
                               f"did not accept them: {type(exc).__name__}: {exc}")
@@ -339,6 +366,8 @@ class StoreServer:
         self.node_id = node_id
         self.config = config
         self.on_publish = on_publish
+        # Concurrent Puts share one index call; each still returns only once it is visible.
+        self.publisher = CoalescingPublisher(on_publish) if on_publish is not None else None
         self.on_read = on_read
         self.default_lease_ttl_s = default_lease_ttl_s
         # Headroom for the protobuf framing around one chunk of block bytes.

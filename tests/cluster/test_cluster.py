@@ -157,6 +157,9 @@ def test_hot_block_read_from_another_node_is_replicated_there(
     wait_for(lambda: holder_sets(far, chain.keys) == [{a, b}] * 3, 10,
              "the hot chain to be replicated to the reader's node")
     assert set(chain.keys) <= pool_keys(b)
+    # Readers trust the holders the index told them for client.index_view_ttl_s (design.md
+    # §4, the reader's index view): the new copy is theirs to prefer once that has passed.
+    time.sleep(far.config.index_view_ttl_s + 0.1)
     for store, own in ((far, b), (writer, a)):  # each reader now prefers its own node's copy
         got = store.batch_get(NS, chain.keys, chain.tokens)
         assert [r.node_id for r in got if isinstance(r, FetchedBlock)] == [own] * 3, got

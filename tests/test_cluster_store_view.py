@@ -1,0 +1,115 @@
+"""ClusterStore's write and lookup paths at rate: batched Puts stay visible under concurrency,
+and a stale lookup promise becomes a Miss, never another block's bytes."""
+
+# ruff: noqa: F811  (the cluster fixture is imported, then named as a test argument)
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from kvstore.api import MISS_NOT_FOUND, FetchedBlock, Miss, NodeAddress
+from kvstore.cluster_store import ClusterStore
+from kvstore.config import ClientConfig, ServerConfig
+from kvstore.index.base import IndexEntry
+from kvstore.index.memory import InMemoryIndex
+from kvstore.node.pool import BlockPool
+from kvstore.node.server import StoreServer
+from tests.node.test_server import make_namespace
+from tests.test_cluster_store import cluster, make_puts  # noqa: F401  - fixture by name
+
+LONG_VIEW = ClientConfig(timeout_s=5, retries=1, index_view_ttl_s=30.0)
+
+
+def test_stale_promise_after_eviction_is_a_miss_never_other_bytes(cluster) -> None:
+    index, nodes, directory = cluster
+    ns = make_namespace()
+    writer = ClusterStore("node-a", index, directory.__getitem__, LONG_VIEW)
+    reader = ClusterStore("node-b", index, directory.__getitem__, LONG_VIEW)
+    puts, tokens = make_puts(ns, 4, seed=1)
+    keys = [p.key for p in puts]
+    writer.batch_put(ns, puts)
+    assert reader.lookup_prefix(ns, keys).num_blocks == 4  # the reader's view now holds them
+    # Node a evicts blocks 2 and 3 and tells the index; their arena space goes to new blocks.
+    server_a, pool_a = nodes["node-a"]
+    assert pool_a.evict(keys[2:]) > 0
+    index.remove(keys[2:], "node-a")
+    others, _ = make_puts(ns, 4, seed=2)
+    writer.batch_put(ns, others)
+    # Within the staleness bound the view still promises all four blocks ...
+    hit = reader.lookup_prefix(ns, keys)
+    assert hit.num_blocks == 4 and index.lookup_prefix(keys).num_blocks == 2
+    got = reader.batch_get(ns, keys, tokens)
+    # ... but the evicted ones come back as misses, and the rest are the bytes written.
+    for g, p in zip(got[:2], puts[:2], strict=True):
+        assert isinstance(g, FetchedBlock)
+        assert torch.equal(g.payload.view(torch.int16), p.payload.view(torch.int16))
+    assert all(isinstance(g, Miss) and g.reason == MISS_NOT_FOUND for g in got[2:])
+    # The miss dropped the stale promise: the next lookup asks the index.
+    assert reader.lookup_prefix(ns, keys).num_blocks == 2
+    writer.close()
+    reader.close()
+
+
+def test_stale_promise_retries_through_the_index_and_finds_the_new_holder(cluster) -> None:
+    index, nodes, directory = cluster
+    ns = make_namespace()
+    writer = ClusterStore("node-a", index, directory.__getitem__, LONG_VIEW)
+    other = ClusterStore("node-b", index, directory.__getitem__, LONG_VIEW)
+    puts, tokens = make_puts(ns, 3, seed=3)
+    keys = [p.key for p in puts]
+    writer.batch_put(ns, puts)  # the writer's view: held by node-a
+    other.batch_put(ns, puts)  # a second copy on node-b
+    nodes["node-a"][1].evict(keys)  # node-a lets go; the writer's view does not know
+    index.remove(keys, "node-a")
+    got = writer.batch_get(ns, keys, tokens)
+    assert [g.node_id for g in got if isinstance(g, FetchedBlock)] == ["node-b"] * 3
+    for g, p in zip(got, puts, strict=True):
+        assert isinstance(g, FetchedBlock)
+        assert torch.equal(g.payload.view(torch.int16), p.payload.view(torch.int16))
+    writer.close()
+    other.close()
+
+
+def test_put_keys_are_visible_to_other_readers_under_concurrent_puts() -> None:
+    index = InMemoryIndex()
+
+    def slow_publish(entries: list[IndexEntry]) -> None:
+        time.sleep(0.005)  # an index call's latency: Puts pile up behind it and coalesce
+        index.publish(entries)
+
+    pool = BlockPool(32 << 20)
+    server = StoreServer(pool, "node-a", ServerConfig(), on_publish=slow_publish)
+    server.start()
+    grpc_addr, bulk_addr = server.addresses
+    directory = {"node-a": NodeAddress("node-a", grpc_addr, bulk_addr, pool.path)}
+    ns = make_namespace(num_layers=1, head_dim=4)
+    failures: list[str] = []
+
+    def client(seed: int) -> None:
+        writer = ClusterStore("node-a", index, directory.__getitem__, LONG_VIEW)
+        observer = ClusterStore("node-b", index, directory.__getitem__, LONG_VIEW)
+        for round_ in range(5):
+            puts, _ = make_puts(ns, 12, seed=100 * seed + round_)
+            keys = [p.key for p in puts]
+            observer.lookup_prefix(ns, keys)  # a miss first: it must not be remembered
+            writer.batch_put(ns, puts)
+            hit = observer.lookup_prefix(ns, keys)
+            if hit.num_blocks != len(keys) or index.lookup_prefix(keys).num_blocks != len(keys):
+                failures.append(f"client {seed} round {round_}: {hit.num_blocks}/{len(keys)}")
+        writer.close()
+        observer.close()
+
+    try:
+        threads = [threading.Thread(target=client, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not failures
+        assert server.publisher is not None
+        assert server.publisher.num_entries == 4 * 5 * 12 == len(pool.keys())
+    finally:
+        server.stop(0)
+        pool.close()
