@@ -93,7 +93,10 @@ class Cluster:
 
     def build(self) -> tuple[CoordinatorCore, list[np.ndarray]]:
         """A core holding every node's blocks (published table-side in one batch per node)."""
-        config = KVStoreConfig(coordinator=CoordinatorConfig(node_timeout_s=10.0))
+        # 0.90/0.80, not the defaults: FILL and PRESSURE sit around these, and the planning
+        # figures (a tenth of a node's blocks per over-watermark beat) are measured at them
+        config = KVStoreConfig(coordinator=CoordinatorConfig(
+            node_timeout_s=10.0, high_watermark=0.90, low_watermark=0.80))
         core = CoordinatorCore(config, clock=self.clock)
         held = []
         for n, name in enumerate(self.names):

@@ -74,7 +74,7 @@ def test_environment_values_are_coerced(tmp_path):
         "KVSTORE_SERVER_AUTH_TOKEN": "none",
         "KVSTORE_CLIENT_TIMEOUT_S": "2.5",
         "KVSTORE_CLIENT_MAX_MESSAGE_BYTES": "8MiB",
-        "KVSTORE_COORDINATOR_HIGH_WATERMARK": "0.95",
+        "KVSTORE_COORDINATOR_HIGH_WATERMARK": "0.99",
         "KVSTORE_INDEX_BACKEND": "redis",
         "KVSTORE_INDEX_REDIS_URL": "redis://127.0.0.1:1/0",
     }
@@ -83,7 +83,7 @@ def test_environment_values_are_coerced(tmp_path):
     assert cfg.server.auth_token is None
     assert cfg.client.timeout_s == 2.5
     assert cfg.client.max_message_bytes == 8 * 2**20
-    assert cfg.coordinator.high_watermark == 0.95
+    assert cfg.coordinator.high_watermark == 0.99
     assert cfg.index.redis_url == "redis://127.0.0.1:1/0"
 
 
@@ -117,7 +117,7 @@ def test_unknown_keys_are_errors_that_name_them(tmp_path, text, names):
         ({"KVSTORE_SERVER_TLS_CERT_FILE": "/tmp/cert.pem"}, "server.tls_key_file"),
         ({"KVSTORE_INDEX_BACKEND": "etcd"}, "index.backend"),
         ({"KVSTORE_INDEX_BACKEND": "redis"}, "index.redis_url"),
-        ({"KVSTORE_COORDINATOR_LOW_WATERMARK": "0.95"}, "low_watermark"),
+        ({"KVSTORE_COORDINATOR_LOW_WATERMARK": "0.98"}, "low_watermark"),
         ({"KVSTORE_COORDINATOR_HEARTBEAT_INTERVAL_S": "20"}, "heartbeat_interval_s"),
         ({"KVSTORE_WORKER_PREFILL_CHUNK_TOKENS": "100"}, "worker.prefill_chunk_tokens"),
         ({"KVSTORE_WORKER_BLOCK_SIZE": "0"}, "worker.block_size"),

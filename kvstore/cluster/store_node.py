@@ -5,8 +5,9 @@ when that is the index) before Put returns; everything it holds is (re)announced
 whenever the coordinator's epoch changes (the coordinator restarted); a heartbeat thread
 reports pool stats and the keys read since the last beat (batched LRU touches, never one Ray
 call per block) and executes the eviction and replication orders in the reply. A full pool
-asks the coordinator what to evict, evicts, and retries once; otherwise the Put fails with
-RESOURCE_EXHAUSTED, never an out-of-memory crash.
+asks the coordinator what to evict (down to the low watermark), evicts, and retries a bounded
+number of times; when nothing is evictable the Put fails with RESOURCE_EXHAUSTED, never an
+out-of-memory crash.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvstore.api import NodeAddress, PoolStats
 from kvstore.block import BlockHeader, verify_block_self
 from kvstore.cluster.names import arena_glob, arena_name, coordinator_handle
 from kvstore.config import ClientConfig, KVStoreConfig, ServerConfig
+from kvstore.constants import align_up
 from kvstore.errors import BlockCorrupted, BlockMismatch, KVStoreError, NodeUnavailable, PoolFull
 from kvstore.index.base import IndexEntry
 from kvstore.index.factory import make_index
@@ -43,29 +45,52 @@ log = logging.getLogger(__name__)
 _LOCAL_HOSTS = ("127.0.0.1", "localhost")
 #: Attempts (one per second) to register with a coordinator that is (re)starting.
 _REGISTER_ATTEMPTS = 60
+#: Eviction plans one make-room asks for while the pool refuses every key (all leased).
+_ROOM_REQUESTS = 3
 
 
 class EvictingPool:
-    """A BlockPool seen through the server: on PoolFull it evicts and retries once.
+    """A BlockPool seen through the server: on PoolFull it makes room and retries.
 
     The server only calls ``reserve`` and friends, so wrapping the pool is enough to hook
     eviction in without the server knowing about the coordinator. Reads are reported by the
     server itself (``on_read``), which knows the reader's node.
+
+    Concurrent Puts share one eviction: room is made by one caller at a time, and a caller
+    that finds room was made since its own PoolFull retries before asking again, so four
+    full-pool Puts cost one coordinator call, not four plans that each count the same bytes.
+    A reservation can still lose the room it waited for to another Put, so it retries up to
+    ``max_attempts`` times; it fails at once only when nothing evictable is left.
     """
 
-    def __init__(self, pool: BlockPool, make_room: Callable[[int], bool]) -> None:
+    def __init__(self, pool: BlockPool, make_room: Callable[[int], bool],
+                 max_attempts: int = 8) -> None:
         self._pool = pool
         self._make_room = make_room
+        self._max_attempts = max_attempts
+        self._room_lock = threading.Lock()
+        self._rooms_made = 0  # bumped by each make-room that freed something
 
     def reserve(self, key: bytes, nbytes: int) -> Any:
-        try:
-            return self._pool.reserve(key, nbytes)
-        except PoolFull as exc:
-            if not self._make_room(nbytes):
-                raise PoolFull(f"{exc}; the coordinator found nothing evictable on this node "
-                               "(every block is pinned, leased or already ordered out): "
-                               "unpin blocks or raise pool.capacity_bytes") from exc
-            return self._pool.reserve(key, nbytes)  # once: a second PoolFull goes to the caller
+        for _ in range(self._max_attempts):
+            seen = self._rooms_made
+            try:
+                return self._pool.reserve(key, nbytes)
+            except PoolFull as exc:
+                full = exc
+                if align_up(nbytes) > self._pool.capacity_bytes:
+                    raise  # no eviction can help: keep the pool's contents
+                with self._room_lock:
+                    if self._rooms_made != seen:
+                        continue  # room was made while this one waited: try it first
+                    if not self._make_room(nbytes):
+                        raise PoolFull(
+                            f"{exc}; the coordinator found nothing evictable on this node "
+                            "(every block is pinned, leased or already ordered out): "
+                            "unpin blocks or raise pool.capacity_bytes") from exc
+                    self._rooms_made += 1
+        raise PoolFull(f"{full}; concurrent Puts took the room of {self._max_attempts} "
+                       "evictions in a row: retry, or raise pool.capacity_bytes")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)
@@ -195,12 +220,23 @@ class StoreNode:
                 self._remote_reads.setdefault(reader_node_id, []).extend(keys)
 
     def _make_room(self, nbytes: int) -> bool:
-        """Ask the coordinator what to evict for ``nbytes`` more; True if anything was freed."""
-        try:
-            keys = self._call("request_eviction", self.node_id, nbytes)
-        except (RayActorError, GetTimeoutError, NodeUnavailable):
-            return False  # no coordinator: refuse the Put rather than guess
-        return self._evict(keys, ["capacity"] * len(keys)) > 0
+        """Ask the coordinator what to evict for ``nbytes`` more; True if anything was freed.
+
+        Sends the pool's use now (the coordinator's is from the last heartbeat). Asks again,
+        a few times, when the pool refused every key it was told (leased since): the
+        coordinator then plans the next ones instead.
+        """
+        for _ in range(_ROOM_REQUESTS):
+            try:
+                keys = self._call("request_eviction", self.node_id, nbytes,
+                                  self.pool.stats().used_bytes)
+            except (RayActorError, GetTimeoutError, NodeUnavailable):
+                return False  # no coordinator: refuse the Put rather than guess
+            if not keys:
+                return False
+            if self._evict(keys, ["capacity"] * len(keys)) > 0:
+                return True
+        return False
 
     def _evict(self, keys: Sequence[bytes], causes: Sequence[str]) -> int:
         """Evict what the pool allows (never leased or pinned), count it by cause (one per

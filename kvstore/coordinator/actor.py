@@ -66,9 +66,10 @@ class Coordinator:
         """Stats and batched touches in, eviction and replication orders out."""
         return self._core.heartbeat(node_id, stats, touched, remote_reads)
 
-    def request_eviction(self, node_id: str, nbytes_needed: int) -> list[bytes]:
-        """What a full node should evict now."""
-        return self._core.request_eviction(node_id, nbytes_needed)
+    def request_eviction(self, node_id: str, nbytes_needed: int,
+                         used_bytes: int | None = None) -> list[bytes]:
+        """What a full node should evict now (``used_bytes``: its use at the time)."""
+        return self._core.request_eviction(node_id, nbytes_needed, used_bytes)
 
     def removed(self, node_id: str, keys: list[bytes]) -> None:
         """The node evicted or deleted these."""

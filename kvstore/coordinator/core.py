@@ -265,16 +265,26 @@ class CoordinatorCore:
                                   reannounce=came_back or node.address is None,
                                   evict_causes=[causes.get(k, "watermark") for k in evict])
 
-    def request_eviction(self, node_id: str, nbytes_needed: int) -> list[bytes]:
-        """What a full node should evict right now to fit ``nbytes_needed`` more bytes."""
+    def request_eviction(self, node_id: str, nbytes_needed: int,
+                         used_bytes: int | None = None) -> list[bytes]:
+        """What a full node should evict right now to fit ``nbytes_needed`` more bytes.
+
+        The plan goes down to the low watermark, not just enough for one block, so one call
+        serves many reservations. ``used_bytes`` is the node's use now: the last heartbeat's
+        figure may be a second old (taken before that beat's evictions, or before a burst of
+        Puts filled the pool), and a stale low figure would plan one block per call, which
+        concurrent Puts then take from each other. Keys already ordered out are neither planned
+        again nor counted as freed (the node may have refused them: leased or pinned there).
+        """
         check_node_id(node_id)
         with self._lock:
             node = self._ensure(node_id, self.clock())
             self._expire_pins(self.clock())
+            used = node.used_bytes if used_bytes is None else used_bytes
             target = nbytes_needed
-            if node.capacity_bytes:  # go down to the low watermark, not just enough for one put
+            if node.capacity_bytes:
                 low = int(self.cfg.low_watermark * node.capacity_bytes)
-                target = max(nbytes_needed, node.used_bytes + nbytes_needed - low)
+                target = max(nbytes_needed, used + nbytes_needed - low)
             keys = self.lru.plan(node.slot, target, list(node.ordered))
             node.ordered.update(keys)
             self.metrics["eviction_requests"] += 1

@@ -80,7 +80,11 @@ def make_stats(capacity: int, used: int) -> PoolStats:
 
 def make_core(index: Index | None = None, clock: FakeClock | None = None,
               **coordinator: float) -> CoordinatorCore:
-    """A core in the current mode; ``table`` builds its own index as the actor does."""
+    """A core in the current mode; ``table`` builds its own index as the actor does.
+
+    Watermarks are 0.90/0.80 unless given: the tests' figures (room, eviction targets) are
+    worked out for those, whatever the defaults are."""
+    coordinator = {"high_watermark": 0.9, "low_watermark": 0.8, **coordinator}
     config = KVStoreConfig(coordinator=CoordinatorConfig(**coordinator))
     if index is None and _KIND["index"] == "dict":
         index = InMemoryIndex()
@@ -147,6 +151,31 @@ def test_ordered_keys_are_not_planned_twice_before_the_next_heartbeat() -> None:
     assert first == [keys[0]] and second == [keys[1]]
     core.heartbeat("a", make_stats(1000, 300), [], {})  # still held after the beat: may return
     assert core.request_eviction("a", 100) == [keys[0]]
+
+
+def test_make_room_plans_from_the_reported_use_each_caller_new_keys_then_refuses() -> None:
+    core = make_core()  # low watermark 0.80 of 1000
+    keys = [make_chain(1, f"m{i}")[0] for i in range(8)]
+    register(core, "a", [[k] for k in keys])
+    core.heartbeat("a", make_stats(1000, 500), [], {})  # a second old by the time it fills up
+    # The stale 500 would plan one block (what one Put needs); the node's own 1000 plans down
+    # to the low watermark: 1000 + 100 - 800 = 300 bytes, three blocks, LRU first.
+    assert core.request_eviction("a", 100, used_bytes=1000) == keys[:3]
+    # A concurrent Put, before the node reported the first plan done: the ordered keys are
+    # not planned (or counted) again, so it gets room of its own.
+    assert core.request_eviction("a", 100, used_bytes=1000) == keys[3:6]
+    core.removed("a", keys[:6])  # the node evicted both plans
+    core.pin(keys[6:7], hard=True, ttl_s=None)
+    assert core.request_eviction("a", 100, used_bytes=1000) == keys[7:]
+    # Everything left is pinned or ordered out: nothing to plan, and the Put is refused.
+    assert core.request_eviction("a", 100, used_bytes=1000) == []
+    assert core.request_eviction("a", 100) == []  # without a reported use: at least what it needs
+
+
+def test_default_watermarks_keep_the_pool_nearly_full() -> None:
+    cfg = CoordinatorConfig()
+    # every point below full costs hit rate; eviction still leaves room for a burst of Puts
+    assert 0.9 <= cfg.low_watermark < cfg.high_watermark < 1.0
 
 
 def test_dead_node_leaves_the_index_and_must_reannounce() -> None:

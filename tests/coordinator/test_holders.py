@@ -170,7 +170,8 @@ class Clock:
 
 def test_core_with_200_nodes_publishes_evicts_and_drops_dead_ones() -> None:
     clock = Clock()
-    core = CoordinatorCore(KVStoreConfig(coordinator=CoordinatorConfig(node_timeout_s=10.0)),
+    core = CoordinatorCore(KVStoreConfig(coordinator=CoordinatorConfig(
+        node_timeout_s=10.0, high_watermark=0.9, low_watermark=0.8)),  # 11 blocks -> 8
                            clock=clock)
     names = [f"node-{i:03d}" for i in range(200)]
     own = {n: [make_key(1000 + 10 * i + j) for j in range(10)] for i, n in enumerate(names)}

@@ -1,0 +1,105 @@
+"""EvictingPool without Ray: a real BlockPool, make-room as a plain function, racing threads."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvstore.cluster.store_node import EvictingPool
+from kvstore.errors import PoolFull
+from kvstore.node.pool import BlockPool
+
+BLOCK = 4096
+NUM_BLOCKS = 16
+
+
+def make_key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+@pytest.fixture
+def full_pool(tmp_path) -> Iterator[BlockPool]:
+    """A pool holding NUM_BLOCKS committed blocks and no free byte."""
+    pool = BlockPool(NUM_BLOCKS * BLOCK, shm_dir=str(tmp_path))
+    for i in range(NUM_BLOCKS):
+        assert pool.put(make_key(i), bytes(BLOCK))
+    with pytest.raises(PoolFull):
+        pool.reserve(make_key(10_000), BLOCK)
+    yield pool
+    pool.close()
+
+
+def make_room_evicting(pool: BlockPool, num_blocks: int, calls: list[int]
+                       ) -> Callable[[int], bool]:
+    """A coordinator stand-in: each call evicts ``num_blocks`` least recently used blocks."""
+    def make_room(nbytes: int) -> bool:
+        calls.append(nbytes)
+        return pool.evict(pool.lru_candidates(num_blocks)) > 0
+    return make_room
+
+
+def reserve_all(pool: EvictingPool, keys: list[bytes]) -> list[BaseException | None]:
+    """Reserve one block per key, each from its own thread, all released at once."""
+    start = threading.Barrier(len(keys))
+    errors: list[BaseException | None] = [None] * len(keys)
+
+    def one(i: int) -> None:
+        start.wait()
+        try:
+            pool.commit(pool.reserve(keys[i], BLOCK))
+        except PoolFull as exc:
+            errors[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(keys))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def test_concurrent_reservations_share_the_room_one_call_makes(full_pool: BlockPool) -> None:
+    calls: list[int] = []
+    pool = EvictingPool(full_pool, make_room_evicting(full_pool, 4, calls))
+    keys = [make_key(100 + i) for i in range(8)]
+    assert reserve_all(pool, keys) == [None] * 8
+    assert all(full_pool.contains(k) for k in keys)
+    # 8 blocks at 4 per call: 2 calls, give or take one lost race; never one call per Put
+    assert 2 <= len(calls) <= 3, calls
+
+
+def test_room_taken_by_others_is_retried_a_bounded_number_of_times(
+        full_pool: BlockPool) -> None:
+    calls: list[int] = []
+
+    def make_room_that_loses_the_race(nbytes: int) -> bool:
+        calls.append(nbytes)
+        return True  # freed something, which another Put took before the retry
+
+    pool = EvictingPool(full_pool, make_room_that_loses_the_race, max_attempts=5)
+    with pytest.raises(PoolFull, match="concurrent Puts took the room of 5 evictions"):
+        pool.reserve(make_key(200), BLOCK)
+    assert calls == [BLOCK] * 5
+
+
+def test_nothing_evictable_fails_at_once_with_the_reason(full_pool: BlockPool) -> None:
+    calls: list[int] = []
+
+    def nothing(nbytes: int) -> bool:
+        calls.append(nbytes)
+        return False
+
+    pool = EvictingPool(full_pool, nothing)
+    with pytest.raises(PoolFull, match="nothing evictable"):
+        pool.reserve(make_key(300), BLOCK)
+    assert calls == [BLOCK]
+
+
+def test_a_block_larger_than_the_pool_evicts_nothing(full_pool: BlockPool) -> None:
+    calls: list[int] = []
+    pool = EvictingPool(full_pool, make_room_evicting(full_pool, 4, calls))
+    with pytest.raises(PoolFull, match="larger than the whole pool"):
+        pool.reserve(make_key(400), (NUM_BLOCKS + 1) * BLOCK)
+    assert calls == [] and len(full_pool.keys()) == NUM_BLOCKS
