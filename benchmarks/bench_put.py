@@ -29,7 +29,8 @@ import torch
 
 from benchmarks.common import parse_args, report
 from kvstore.api import BlockPut
-from kvstore.block import block_nbytes, encode_blocks_into, verify_block
+from kvstore.block import block_nbytes, verify_block
+from kvstore.block_batch import encode_blocks_into
 from kvstore.config import IndexConfig, KVStoreConfig, PoolConfig
 from kvstore.keys import BlockHasher, Namespace
 from kvstore.node.pool import BlockPool

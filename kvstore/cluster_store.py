@@ -37,7 +37,8 @@ from kvstore.api import (
     PrefixHit,
     TokenIds,
 )
-from kvstore.block import block_nbytes, encode_blocks_into, payload_offset
+from kvstore.block import block_nbytes, payload_offset
+from kvstore.block_batch import encode_blocks_into
 from kvstore.config import ClientConfig
 from kvstore.errors import (
     BlockCorrupted,

@@ -42,6 +42,12 @@ class PutChunk(_message.Message):
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     def __init__(self, namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., key: _Optional[bytes] = ..., total_nbytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
+class PutBatchRequest(_message.Message):
+    __slots__ = ("chunks",)
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[PutChunk]
+    def __init__(self, chunks: _Optional[_Iterable[_Union[PutChunk, _Mapping]]] = ...) -> None: ...
+
 class PutResponse(_message.Message):
     __slots__ = ("num_stored", "num_existing")
     NUM_STORED_FIELD_NUMBER: _ClassVar[int]

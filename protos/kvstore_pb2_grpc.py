@@ -39,6 +39,11 @@ class StoreNodeStub:
                 request_serializer=protos_dot_kvstore__pb2.PutChunk.SerializeToString,
                 response_deserializer=protos_dot_kvstore__pb2.PutResponse.FromString,
                 _registered_method=True)
+        self.PutBatch = channel.unary_unary(
+                '/kvstore.v1.StoreNode/PutBatch',
+                request_serializer=protos_dot_kvstore__pb2.PutBatchRequest.SerializeToString,
+                response_deserializer=protos_dot_kvstore__pb2.PutResponse.FromString,
+                _registered_method=True)
         self.Get = channel.unary_stream(
                 '/kvstore.v1.StoreNode/Get',
                 request_serializer=protos_dot_kvstore__pb2.KeysRequest.SerializeToString,
@@ -100,6 +105,12 @@ class StoreNodeServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Put(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutBatch(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -177,6 +188,11 @@ def add_StoreNodeServicer_to_server(servicer, server):
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
                     request_deserializer=protos_dot_kvstore__pb2.PutChunk.FromString,
+                    response_serializer=protos_dot_kvstore__pb2.PutResponse.SerializeToString,
+            ),
+            'PutBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutBatch,
+                    request_deserializer=protos_dot_kvstore__pb2.PutBatchRequest.FromString,
                     response_serializer=protos_dot_kvstore__pb2.PutResponse.SerializeToString,
             ),
             'Get': grpc.unary_stream_rpc_method_handler(
@@ -261,6 +277,33 @@ class StoreNode:
             target,
             '/kvstore.v1.StoreNode/Put',
             protos_dot_kvstore__pb2.PutChunk.SerializeToString,
+            protos_dot_kvstore__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.StoreNode/PutBatch',
+            protos_dot_kvstore__pb2.PutBatchRequest.SerializeToString,
             protos_dot_kvstore__pb2.PutResponse.FromString,
             options,
             channel_credentials,

@@ -12,10 +12,10 @@ from kvstore.block import (
     _verify_canonical,
     block_nbytes,
     encode_block,
-    encode_blocks_into,
     payload_offset,
     verify_block,
 )
+from kvstore.block_batch import encode_blocks_into, verify_blocks
 from kvstore.errors import BlockCorrupted, BlockMismatch, NamespaceMismatch
 from kvstore.keys import BlockHasher, Namespace
 
@@ -103,3 +103,49 @@ def test_fast_path_accepts_exactly_canonical_blocks(ns: Namespace) -> None:
     with pytest.raises(NamespaceMismatch):
         verify_block(good, Namespace("other", ns.dtype, ns.block_size, ns.num_layers,
                                      ns.num_kv_heads, ns.head_dim), keys[0])
+
+
+def _reference(rows: np.ndarray, ns: Namespace, keys: list[bytes]) -> list[object]:
+    """Per-row verdicts of the one-block ``verify_block``: parent key or (type, message)."""
+    out: list[object] = []
+    for row, key in zip(rows, keys, strict=True):
+        try:
+            out.append(verify_block(row, ns, key).parent_key)
+        except Exception as exc:
+            out.append((type(exc), str(exc)))
+    return out
+
+
+def _verdicts(rows: np.ndarray, ns: Namespace, keys: list[bytes]) -> list[object]:
+    return [(type(v), str(v)) if isinstance(v, Exception) else v
+            for v in verify_blocks(rows, ns, keys)]
+
+
+@pytest.mark.parametrize("ns", NAMESPACES, ids=lambda ns: ns.dtype)
+def test_batch_verify_gives_the_one_block_verdicts(ns: Namespace) -> None:
+    n = 12
+    keys, parents, tokens, payloads = make_batch(ns, n, seed=3)
+    rows = np.empty((n, block_nbytes(ns)), dtype=np.uint8)
+    encode_blocks_into(rows, ns, keys, parents, tokens, payloads)
+    assert _verdicts(rows, ns, keys) == parents
+    # One damaged byte per row (header, holes, pad, payload), a swapped key, a wrong key length.
+    rng = np.random.default_rng(1)
+    bad = rows.copy()
+    for i in range(n - 2):
+        pos = int(rng.integers(0, payload_offset(ns))) if i % 2 else \
+            int(rng.integers(0, bad.shape[1]))
+        bad[i, pos] ^= 1 << int(rng.integers(0, 8))
+    asked = list(keys)
+    asked[n - 2] = keys[0]
+    asked[n - 1] = keys[n - 1][:31]
+    got = _verdicts(bad, ns, asked)
+    assert got == _reference(bad, ns, asked)
+    assert any(isinstance(v, tuple) for v in got)
+    other = Namespace("other", ns.dtype, ns.block_size, ns.num_layers, ns.num_kv_heads,
+                      ns.head_dim)
+    assert _verdicts(rows, other, keys) == _reference(rows, other, keys)
+    # Longer rows than a block (the format allows trailing bytes) and empty batches.
+    wide = np.zeros((n, rows.shape[1] + 64), dtype=np.uint8)
+    wide[:, : rows.shape[1]] = rows
+    assert _verdicts(wide, ns, keys) == _reference(wide, ns, keys) == parents
+    assert verify_blocks(rows[:0], ns, []) == []

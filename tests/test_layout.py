@@ -21,8 +21,8 @@ PACKAGES = ("kvstore", "workers")
 #: Within one layer, only modules of the same package (or the ground) import each other.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ground", ("kvstore.errors", "kvstore.constants", "kvstore.config", "kvstore.keys",
-                "kvstore.block", "kvstore.ops", "kvstore.api", "kvstore.metrics",
-                "kvstore.reader_metrics")),
+                "kvstore.block", "kvstore.block_batch", "kvstore.ops", "kvstore.api",
+                "kvstore.metrics", "kvstore.reader_metrics")),
     ("index", ("kvstore.index",)),
     ("node", ("kvstore.node",)),
     ("coordinator", ("kvstore.coordinator",)),

@@ -4,7 +4,9 @@ Errors leave as gRPC status codes here (the table is in ``kvstore.node.wire``). 
 per block (reserve arena space -> copy the chunks in -> verify header and checksum -> commit),
 and the Put call returns only after ``on_publish`` made the keys visible in the index, so a
 reader that asks after ``put`` returned finds them (concurrent Puts share one ``on_publish``
-call: ``kvstore.node.publisher``). Small blocks arrive many to a message (``PutChunk.keys``).
+call: ``kvstore.node.publisher``). Small blocks arrive many to a message (``PutChunk.keys``),
+verified as a batch before they are copied in, and a Put that fits one message comes as the
+unary ``PutBatch`` (same rules as the stream).
 Remote bulk reads go through ``kvstore.node.bulk`` instead of ``Get`` when the client has its
 address (see that module for why).
 """
@@ -18,9 +20,11 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+import numpy as np
 
 from kvstore import metrics
 from kvstore.block import read_header, verify_block
+from kvstore.block_batch import verify_blocks
 from kvstore.config import ServerConfig
 from kvstore.constants import KEY_NBYTES
 from kvstore.errors import (
@@ -134,35 +138,64 @@ class _Servicer(pb_grpc.StoreNodeServicer):
         metrics.observe_put(time.perf_counter() - started)
         return pb.PutResponse(num_stored=len(entries), num_existing=num_existing)
 
+    def PutBatch(self, request: pb.PutBatchRequest, context: grpc.ServicerContext
+                 ) -> pb.PutResponse:
+        """A whole Put in one message: the same checks, verdicts and visibility as ``Put``."""
+        return self.Put(iter(request.chunks), context)
+
     def _put_batch(self, msg: pb.PutChunk, namespace: Namespace, entries: list[IndexEntry]
                    ) -> int:
         """Store the whole blocks of one batch message (appending to ``entries`` as each one
-        commits, so a failure keeps the good ones before it); returns how many were held."""
+        commits, so a failure keeps the good ones before it); returns how many were held.
+
+        The batch is verified in the message buffer first (``verify_blocks``: the per-block
+        verdicts in a few array passes), then each good block is reserved, copied and
+        committed: the bytes copied are the bytes verified, since the message is immutable.
+        """
         total = msg.total_nbytes
-        if len(msg.data) != total * len(msg.keys):
-            raise ValueError(f"a Put batch of {len(msg.keys)} blocks of {total} bytes carries "
+        n = len(msg.keys)
+        if len(msg.data) != total * n:
+            raise ValueError(f"a Put batch of {n} blocks of {total} bytes carries "
                              f"{len(msg.data)} bytes")
+        self._check_total(total)
+        keys = [bytes(k) for k in msg.keys]
         data = memoryview(msg.data)
+        verdicts = verify_blocks(np.frombuffer(msg.data, dtype=np.uint8).reshape(n, total),
+                                 namespace, keys)
+        pool, node_id, root = self.pool, self.s.node_id, namespace.root
         num_existing = 0
-        for i, key in enumerate(msg.keys):
-            block = self._begin_block(key, total)
-            if block.reservation is not None:
-                block.reservation.view[:total] = data[i * total : (i + 1) * total]
-            entry = self._finish_block(block, namespace)
-            if entry is None:
-                num_existing += 1
-            else:
-                entries.append(entry)
+        for i, (key, verdict) in enumerate(zip(keys, verdicts, strict=True)):
+            if len(key) != KEY_NBYTES:
+                _check_keys([key])  # raises the same error as per block, good ones kept
+            if pool.contains(key):
+                num_existing += 1  # held already: its bytes are drained, as per block
+                continue
+            if isinstance(verdict, Exception):
+                raise verdict
+            res = pool.reserve(key, total)
+            try:
+                res.view[:total] = data[i * total : (i + 1) * total]
+            except BaseException:
+                pool.abort(res)
+                raise
+            if not pool.commit(res):
+                num_existing += 1  # a concurrent writer committed the same immutable block
+                continue
+            self.s.remember(key, verdict, root)
+            entries.append(IndexEntry(key, node_id, total, verdict, root))
         return num_existing
 
-    def _begin_block(self, key: bytes, total: int) -> _PutBlock:
-        key = bytes(key)
-        _check_keys([key])
+    def _check_total(self, total: int) -> None:
         if total <= 0:
             raise ValueError("Put block total_nbytes must be > 0")
         if total > self.s.max_block_bytes:
             raise RequestTooLarge(f"block of {total} bytes exceeds the node's limit of "
                                   f"{self.s.max_block_bytes} bytes")
+
+    def _begin_block(self, key: bytes, total: int) -> _PutBlock:
+        key = bytes(key)
+        _check_keys([key])
+        self._check_total(total)
         if self.pool.contains(key):
             return _PutBlock(key, total, None)
         return _PutBlock(key, total, self.pool.reserve(key, total))
