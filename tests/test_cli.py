@@ -22,6 +22,7 @@ import pytest
 
 from kvstore.cache_commands import namespace_root, parse_keys
 from kvstore.cli import build_parser
+from kvstore.cluster.head import pids_mentioning
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace, chain_keys
 from kvstore.status_command import SHORT_ID, status_json
@@ -216,25 +217,11 @@ def _kill_head(head: subprocess.Popen[bytes], temp_dir: str) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
-    for pid in _pids_mentioning(temp_dir):
+    for pid in pids_mentioning(temp_dir):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _pids_mentioning(text: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            pids.append(int(entry.name))
-    return pids
 
 
 def test_start_status_stop(ray_head: dict[str, str]) -> None:

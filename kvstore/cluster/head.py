@@ -89,7 +89,7 @@ def stop_head(head: RecordedCluster) -> None:
             break
     if head.temp_dir:
         # Ray's workers may leave the process group; they all carry the temp dir in argv.
-        for pid in _pids_mentioning(head.temp_dir):
+        for pid in pids_mentioning(head.temp_dir):
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -113,7 +113,9 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
     return False
 
 
-def _pids_mentioning(text: str) -> list[int]:
+def pids_mentioning(text: str) -> list[int]:
+    """Processes (not this one) whose command line contains ``text``: a Ray head's processes
+    all name its private temp dir, so this finds exactly the ones a head of ours left."""
     pids = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():

@@ -8,26 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-import torch
 
-from kvstore.config import KVStoreConfig, WorkerConfig
+from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError
+from tests.workers.test_serving import SAMPLING, make_config, make_prompt
 from workers.engine import Engine, SamplingParams
 from workers.model import load_model
 from workers.scheduler import InlineCalls
 from workers.serving import Deployment
-
-SAMPLING = SamplingParams(max_new_tokens=5)
-
-
-def make_config() -> KVStoreConfig:
-    return KVStoreConfig(worker=WorkerConfig(model="tiny", block_size=16,
-                                             prefill_chunk_tokens=32))
-
-
-def make_prompt(n: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 512, (n,), generator=g).tolist()
 
 
 def make_requests(num: int, system_tokens: int = 64) -> list[tuple[str, list[int]]]:
