@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.config import load_config
 from tests.multihost.harness import (
     RayCluster,
     generate_argv,
@@ -219,12 +220,13 @@ def test_pool_filled_past_high_watermark(kvstore_cluster: RayCluster,
                             config=job_config)
     assert_exact(rows, reference)
     h1_ip = kvstore_cluster.net.hosts[1].ip
+    high = load_config(str(job_config)).coordinator.high_watermark  # what the cluster runs with
 
     def settled() -> dict | None:
         status = kvstore_status(kvstore_cluster)
         (h1,) = [n for n in status["nodes"] if n.get("alive", True)
                  and n["address"].startswith(h1_ip + ":")]
-        return h1 if h1["evictions"] > 0 and h1["used_bytes"] <= 0.9 * capacity else None
+        return h1 if h1["evictions"] > 0 and h1["used_bytes"] <= high * capacity else None
 
     h1 = wait_for(settled, 30, "h1's pool back under its high watermark", 0.5)
     recovery_log["pool_under_high_watermark_after_job_start_s"] = round(time.monotonic() - t0, 1)
