@@ -92,6 +92,32 @@ class EvictingPool:
         raise PoolFull(f"{full}; concurrent Puts took the room of {self._max_attempts} "
                        "evictions in a row: retry, or raise pool.capacity_bytes")
 
+    def reserve_many(self, keys: Sequence[bytes], nbytes: int) -> list[Any]:
+        """The pool's ``reserve_many``, with room made as ``reserve`` makes it: where the pool
+        stops short, the next key goes through ``reserve`` (which asks the coordinator, whose
+        plan frees down to the low watermark), then the rest are asked for in one go again.
+        Returns short when room runs out after some were reserved (the caller stores those
+        first; asking again for the rest raises the PoolFull that says why)."""
+        out: list[Any] = []
+        while len(out) < len(keys):
+            try:
+                out += self._pool.reserve_many(keys[len(out):], nbytes)
+            except PoolFull:
+                pass
+            if len(out) < len(keys):
+                try:
+                    out.append(self.reserve(keys[len(out)], nbytes))
+                except PoolFull:
+                    if any(r is not None for r in out):
+                        return out
+                    raise
+                except BaseException:
+                    for res in out:
+                        if res is not None:
+                            self._pool.abort(res)
+                    raise
+        return out
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)
 

@@ -91,7 +91,9 @@ class ServedPool(Protocol):
     capacity_bytes: int
 
     def reserve(self, key: bytes, nbytes: int) -> Reservation: ...
+    def reserve_many(self, keys: Sequence[bytes], nbytes: int) -> list[Reservation | None]: ...
     def commit(self, reservation: Reservation) -> bool: ...
+    def commit_many(self, reservations: Sequence[Reservation]) -> list[bool]: ...
     def abort(self, reservation: Reservation) -> None: ...
     def contains(self, key: bytes) -> bool: ...
     def nbytes_of(self, key: bytes) -> int | None: ...
@@ -168,6 +170,47 @@ class BlockPool:
                 reservation.key, reservation.offset, reservation.nbytes
             )
             return True
+
+    def reserve_many(self, keys: Sequence[bytes], nbytes: int) -> list[Reservation | None]:
+        """``reserve`` for a batch of equal-sized blocks in one lock hold: a reservation per
+        key, None for a key the pool holds already. Stops at the first key there is no room
+        for, so the list can be shorter than ``keys`` (the caller makes room and asks again
+        for the rest); raises PoolFull only when not even the first fits."""
+        if nbytes <= 0:
+            raise ValueError(f"a block must have > 0 bytes, got {nbytes}")
+        out: list[Reservation | None] = []
+        with self._lock:
+            self._check_open()
+            entries, view, ids = self._entries, self._arena.view, self._ids
+            for key in keys:
+                if key in entries:
+                    out.append(None)
+                    continue
+                try:
+                    offset = self._alloc_locked(nbytes)
+                except PoolFull:
+                    if out:
+                        break
+                    raise
+                res = Reservation(next(ids), key, offset, nbytes, view[offset : offset + nbytes])
+                self._reservations[res.reservation_id] = res
+                out.append(res)
+        return out
+
+    def commit_many(self, reservations: Sequence[Reservation]) -> list[bool]:
+        """``commit`` for a batch in one lock hold: per reservation, True if it is now
+        visible, False (space freed) if its key was committed first by another writer."""
+        out: list[bool] = []
+        with self._lock:
+            for res in reservations:
+                self._take_reservation(res)
+                if res.key in self._entries:
+                    self._alloc.free(res.offset, res.nbytes)
+                    out.append(False)
+                    continue
+                self._entries[res.key] = _Entry(res.key, res.offset, res.nbytes)
+                out.append(True)
+        return out
 
     def abort(self, reservation: Reservation) -> None:
         """Give a reservation's space back without publishing anything."""

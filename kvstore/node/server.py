@@ -159,30 +159,57 @@ class _Servicer(pb_grpc.StoreNodeServicer):
                              f"{len(msg.data)} bytes")
         self._check_total(total)
         keys = [bytes(k) for k in msg.keys]
-        data = memoryview(msg.data)
-        verdicts = verify_blocks(np.frombuffer(msg.data, dtype=np.uint8).reshape(n, total),
-                                 namespace, keys)
-        pool, node_id, root = self.pool, self.s.node_id, namespace.root
+        rows = np.frombuffer(msg.data, dtype=np.uint8).reshape(n, total)
+        verdicts = verify_blocks(rows, namespace, keys)
         num_existing = 0
-        for i, (key, verdict) in enumerate(zip(keys, verdicts, strict=True)):
-            if len(key) != KEY_NBYTES:
-                _check_keys([key])  # raises the same error as per block, good ones kept
-            if pool.contains(key):
-                num_existing += 1  # held already: its bytes are drained, as per block
-                continue
-            if isinstance(verdict, Exception):
-                raise verdict
-            res = pool.reserve(key, total)
+        done = 0
+        while done < n:
+            # The run of blocks up to the next bad one is stored in one go; then the bad one
+            # is drained if the node holds its key already, else it fails the Put (the good
+            # blocks before it are kept), exactly as block by block.
+            bad = next((i for i in range(done, n) if len(keys[i]) != KEY_NBYTES
+                        or isinstance(verdicts[i], Exception)), n)
+            if bad > done:
+                num_existing += self._store_run(keys[done:bad], rows[done:bad],
+                                                verdicts[done:bad], namespace, entries)
+            if bad == n:
+                break
+            if len(keys[bad]) != KEY_NBYTES:
+                _check_keys([keys[bad]])  # raises the same error as per block
+            if not self.pool.contains(keys[bad]):
+                raise verdicts[bad]  # type: ignore[misc]
+            num_existing += 1  # held already: its bytes are drained, as per block
+            done = bad + 1
+        return num_existing
+
+    def _store_run(self, keys: list[bytes], rows: np.ndarray, parents: list[Any],
+                   namespace: Namespace, entries: list[IndexEntry]) -> int:
+        """Reserve, copy and commit verified blocks (``parents``: their parent keys), one pool
+        lock hold per step; returns how many the node held already. A pool that runs out of
+        room part way keeps (and publishes) the blocks committed before."""
+        total = rows.shape[1]
+        node_id, root = self.s.node_id, namespace.root
+        num_existing = pos = 0
+        while pos < len(keys):
+            reservations = self.pool.reserve_many(keys[pos:], total)
+            mine = [r for r in reservations if r is not None]
             try:
-                res.view[:total] = data[i * total : (i + 1) * total]
+                for res, row in zip(reservations, rows[pos:], strict=False):
+                    if res is not None:
+                        res.view[:total] = row.data
             except BaseException:
-                pool.abort(res)
+                for res in mine:
+                    self.pool.abort(res)
                 raise
-            if not pool.commit(res):
-                num_existing += 1  # a concurrent writer committed the same immutable block
-                continue
-            self.s.remember(key, verdict, root)
-            entries.append(IndexEntry(key, node_id, total, verdict, root))
+            committed = iter(self.pool.commit_many(mine))
+            stored = [(key, parent) for key, parent, res in zip(keys[pos:], parents[pos:],
+                                                                reservations, strict=False)
+                      if res is not None and next(committed)]
+            self.s.remember_many(stored, root)
+            entries.extend(IndexEntry(key, node_id, total, parent, root)
+                           for key, parent in stored)
+            num_existing += len(reservations) - len(stored)
+            pos += len(reservations)
         return num_existing
 
     def _check_total(self, total: int) -> None:
@@ -465,6 +492,12 @@ class StoreServer:
     def remember(self, key: bytes, parent_key: bytes, namespace_root: bytes) -> None:
         with self._lock:
             self._meta[key] = (parent_key, namespace_root)
+
+    def remember_many(self, keys_and_parents: list[tuple[bytes, bytes]], namespace_root: bytes
+                      ) -> None:
+        with self._lock:
+            for key, parent_key in keys_and_parents:
+                self._meta[key] = (parent_key, namespace_root)
 
     def forget(self, key: bytes) -> None:
         with self._lock:

@@ -103,3 +103,33 @@ def test_a_block_larger_than_the_pool_evicts_nothing(full_pool: BlockPool) -> No
     with pytest.raises(PoolFull, match="larger than the whole pool"):
         pool.reserve(make_key(400), (NUM_BLOCKS + 1) * BLOCK)
     assert calls == [] and len(full_pool.keys()) == NUM_BLOCKS
+
+
+def test_reserve_many_makes_room_and_reserves_the_whole_batch(full_pool) -> None:
+    calls: list[int] = []
+    pool = EvictingPool(full_pool, make_room_evicting(full_pool, 4, calls))
+    keys = [make_key(100 + i) for i in range(6)]
+    got = pool.reserve_many(keys, BLOCK)
+    assert [r.key for r in got] == keys
+    assert len(calls) == 2  # 4 blocks of room per call, asked only when the pool stops short
+    assert pool.commit_many(got) == [True] * 6
+
+
+def test_reserve_many_returns_what_fit_then_says_why(full_pool) -> None:
+    """Room for part of a batch: the part comes back (the caller stores it), and asking again
+    for the rest raises the PoolFull that names the cause."""
+    budget = [1]
+
+    def make_room_once(nbytes: int) -> bool:
+        if not budget[0]:
+            return False
+        budget[0] -= 1
+        return full_pool.evict(full_pool.lru_candidates(2)) > 0
+
+    pool = EvictingPool(full_pool, make_room_once)
+    keys = [make_key(200 + i) for i in range(5)]
+    got = pool.reserve_many(keys, BLOCK)
+    assert [r.key for r in got] == keys[:2]
+    with pytest.raises(PoolFull, match="found nothing evictable"):
+        pool.reserve_many(keys[2:], BLOCK)
+    assert pool.commit_many(got) == [True, True]

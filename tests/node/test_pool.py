@@ -302,3 +302,41 @@ def test_close_unlinks_and_rejects_use(tmp_path) -> None:
 def test_bad_shm_dir_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(ValueError, match="not a directory"):
         BlockPool(4096, shm_dir=str(tmp_path / "nope"))
+
+
+def test_reserve_many_and_commit_many_match_one_at_a_time(make_pool) -> None:
+    """The batch calls against ``reserve``/``commit`` block by block: held keys are skipped
+    (None), the run stops at the first block there is no room for, and a key another writer
+    committed in between is refused at commit with its space freed."""
+    size = 4096
+    pool = make_pool(5 * size)
+    assert pool.put(make_key(1), make_block(1, size))
+    keys = [make_key(i) for i in range(8)]
+    got = pool.reserve_many(keys, size)
+    assert [r is None for r in got] == [False, True, False, False, False]  # 4 fit beside key 1
+    assert [r.key for r in got if r is not None] == [keys[0], keys[2], keys[3], keys[4]]
+    for r in got:
+        if r is not None:
+            r.view[:] = make_block(int.from_bytes(r.key[:4], "little"), size)
+    assert not pool.contains(keys[0])  # invisible until committed
+    racer = got[2]
+    pool.abort(racer)  # another writer takes key 2's place and commits first
+    assert pool.put(keys[2], make_block(2, size))
+    with pytest.raises(PoolFull):
+        pool.reserve_many(keys[5:], size)
+    assert pool.commit_many([r for r in got if r is not None and r is not racer]) \
+        == [True, True, True]
+    for i in (0, 1, 2, 3, 4):
+        assert pool.get(keys[i]) == make_block(i, size)
+    assert pool.stats().used_bytes == 5 * size
+    with pytest.raises(ValueError, match="already committed or aborted"):
+        pool.commit_many([got[0]])
+
+
+def test_commit_many_refuses_a_key_committed_since_its_reservation(make_pool) -> None:
+    size = 4096
+    pool = make_pool(4 * size)
+    first = pool.reserve_many([make_key(1), make_key(2)], size)
+    assert pool.put(make_key(2), make_block(2, size))  # the racer
+    assert pool.commit_many([r for r in first if r is not None]) == [True, False]
+    assert pool.stats().used_bytes == 2 * size  # the loser's space came back

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from kvstore.config import ServerConfig
+from kvstore.constants import align_up
 from kvstore.index.memory import InMemoryIndex
 from kvstore.node.pool import BlockPool
 from kvstore.node.server import StoreServer
@@ -23,8 +24,9 @@ def make_node() -> Iterator:
     """A factory of fresh nodes (server, stub, index, pool), all stopped at the end."""
     made = []
 
-    def make() -> tuple[StoreServer, pb_grpc.StoreNodeStub, InMemoryIndex, BlockPool]:
-        pool, index = BlockPool(8 << 20), InMemoryIndex()
+    def make(capacity: int = 8 << 20
+             ) -> tuple[StoreServer, pb_grpc.StoreNodeStub, InMemoryIndex, BlockPool]:
+        pool, index = BlockPool(capacity), InMemoryIndex()
         server = StoreServer(pool, "node-a", ServerConfig(max_message_bytes=4 << 20),
                              on_publish=index.publish)
         server.start()
@@ -80,6 +82,32 @@ def test_put_batch_matches_one_message_per_block(make_node, damage: str) -> None
     if damage != "none":
         assert results[1][0][0] == grpc.StatusCode.INVALID_ARGUMENT
         assert results[1][1] == [True] * 3 + [False] * 3  # the good blocks before it are kept
+
+
+@pytest.mark.parametrize("room_for", [0, 1, 3, 6])
+def test_a_pool_that_fills_part_way_keeps_what_fit_as_per_block(make_node, room_for: int
+                                                                 ) -> None:
+    """A batch is stored a run at a time (``reserve_many``): a pool with room for only some
+    blocks keeps and publishes those, as one message per block does, and refuses the rest."""
+    ns = make_namespace()
+    keys, _, blocks = make_blocks(ns, 6)
+    capacity = max(1, room_for) * align_up(len(blocks[0]))
+    results = []
+    for via_batch in (False, True):
+        _, stub, index, pool = make_node(capacity)
+        if room_for == 0:  # full of another block
+            assert pool.put(bytes(32), bytes(capacity))
+        if via_batch:
+            got = outcome(lambda s=stub: s.PutBatch(batch_request(ns, keys, blocks)))
+        else:
+            got = outcome(lambda s=stub: s.Put(put_messages(ns, keys, blocks)))
+        held = [pool.contains(k) for k in keys]
+        results.append((got, held, index.lookup_prefix(keys).num_blocks))
+    assert results[0] == results[1]
+    assert results[1][1] == [True] * room_for + [False] * (6 - room_for)
+    assert results[1][2] == room_for
+    if room_for < 6:
+        assert results[1][0][0] == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_held_blocks_are_drained_in_a_batch_as_per_block(make_node) -> None:
