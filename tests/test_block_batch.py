@@ -9,6 +9,7 @@ import torch
 
 from kvstore.block import (
     _as_bytes_view,
+    _template,
     _verify_canonical,
     block_nbytes,
     encode_block,
@@ -149,3 +150,85 @@ def test_batch_verify_gives_the_one_block_verdicts(ns: Namespace) -> None:
     wide[:, : rows.shape[1]] = rows
     assert _verdicts(wide, ns, keys) == _reference(wide, ns, keys) == parents
     assert verify_blocks(rows[:0], ns, []) == []
+
+
+BENCH_NS = Namespace("bench-put", "float16", 64, 1, 1, 8)  # benchmarks/bench_put.py's NS
+
+
+@pytest.mark.parametrize("ns", [BENCH_NS, *NAMESPACES],
+                         ids=lambda ns: f"{ns.model_fingerprint}-{ns.dtype}")
+def test_batch_verify_sorts_mixed_damage_like_the_one_block_check(ns: Namespace) -> None:
+    """Every kind of damage, each between good rows, gets ``verify_block``'s exact verdict from
+    the vectorized path; a ``verify_blocks`` that passed every row would fail here."""
+    n = 40
+    keys, parents, tokens, payloads = make_batch(ns, n, seed=7)
+    good = np.empty((n, block_nbytes(ns)), dtype=np.uint8)
+    encode_blocks_into(good, ns, keys, parents, tokens, payloads)
+    # As the server hands it over: a read-only view of the message bytes.
+    wire = np.frombuffer(good.tobytes(), dtype=np.uint8).reshape(good.shape)
+    assert _verdicts(wire, ns, keys) == parents  # the all-good batch
+    t = _template(ns)
+    off = payload_offset(ns)
+    header_end = 4 + int.from_bytes(good[0, :4].tobytes(), "little")
+    root = slice(t.key.start - 2 - len(ns.root), t.key.start - 2)  # bin8 marker, then root
+    other = Namespace("other", ns.dtype, ns.block_size, ns.num_layers, ns.num_kv_heads,
+                      ns.head_dim)
+    o_keys, o_parents, o_tokens, o_payloads = make_batch(other, 1, seed=9)
+    foreign = encode_block(other, o_keys[0], o_parents[0], o_tokens[0], o_payloads[0])
+    bad = good.copy()
+    asked: list[bytes] = list(keys)
+    expect: dict[int, type[Exception] | None] = {}  # None: non-canonical but valid
+
+    def flip(i: int, pos: int, want: type[Exception] | None) -> None:
+        bad[i, pos] ^= 0x01
+        expect[i] = want
+
+    flip(1, off + 5, BlockCorrupted)                        # payload byte
+    flip(3, bad.shape[1] - 1, BlockCorrupted)               # last payload byte
+    flip(5, t.token_ids.start + 9, BlockCorrupted)          # token byte
+    flip(7, t.parent_key.start + 31, BlockCorrupted)        # parent key byte
+    flip(9, t.checksum.start + 7, BlockCorrupted)           # checksum byte
+    flip(11, t.key.start, BlockMismatch)                    # key byte in the block
+    flip(13, root.start + 3, NamespaceMismatch)             # namespace root byte
+    flip(15, t.token_ids.stop + 1, NamespaceMismatch)       # dtype name (layout) byte
+    flip(17, 5, NamespaceMismatch)                          # schema version byte
+    flip(19, t.checksum.start - 3, NamespaceMismatch)       # a layout int byte
+    flip(21, 0, BlockCorrupted)                             # header length word
+    if header_end < off:
+        flip(23, header_end, None)                          # zero pad: not covered, valid
+    asked[25] = keys[24]                                    # another block's key asked
+    expect[25] = BlockMismatch
+    asked[27] = keys[27][:31]                               # key one byte short
+    expect[27] = BlockMismatch
+    asked[29] = keys[29] + b"\0"                            # key one byte long
+    expect[29] = BlockMismatch
+    bad[31] = np.frombuffer(bytes(foreign), dtype=np.uint8)  # valid, of another namespace
+    asked[31] = o_keys[0]
+    expect[31] = NamespaceMismatch
+    got = _verdicts(bad, ns, asked)
+    assert got == _reference(bad, ns, asked)
+    for i in range(n):
+        want = expect.get(i)
+        if want is None:
+            assert got[i] == parents[i], i
+        else:
+            assert isinstance(got[i], tuple) and got[i][0] is want, (i, got[i])
+    # Read-only, non-contiguous (a column slice of wider rows), and a non-list key sequence.
+    wide = np.zeros((n, bad.shape[1] + 3), dtype=np.uint8)
+    wide[:, : bad.shape[1]] = bad
+    ro = np.frombuffer(wide.tobytes(), dtype=np.uint8).reshape(wide.shape)
+    assert _verdicts(ro[:, : bad.shape[1]], ns, tuple(asked)) == got
+    assert _verdicts(ro, ns, asked) == got
+    # Rows narrower than a block (the whole batch falls back): every row is truncated.
+    narrow = good[:, :-1]
+    got_narrow = _verdicts(narrow, ns, keys)
+    assert got_narrow == _reference(narrow, ns, keys)
+    assert all(isinstance(v, tuple) and v[0] is BlockCorrupted for v in got_narrow)
+    # Keys that are not bytes take the one-block path for the whole batch, same verdicts.
+    assert _verdicts(good, ns, [bytearray(k) for k in keys]) == parents
+    # A whole batch of another namespace.
+    assert _verdicts(good, other, keys) == _reference(good, other, keys)
+    assert all(isinstance(v, tuple) and v[0] is NamespaceMismatch
+               for v in _verdicts(good, other, keys))
+    with pytest.raises(ValueError):
+        verify_blocks(good, ns, keys[:-1])
