@@ -150,7 +150,7 @@ class ClusterStore:
         keys = [bytes(b.key) for b in blocks]
         encode_blocks_into(rows, namespace, keys, [b.parent_key for b in blocks],
                            [b.token_ids for b in blocks], [b.payload for b in blocks])
-        self._client(self.node_id).put_blocks(namespace, list(zip(keys, rows, strict=True)))
+        self._client(self.node_id).put_rows(namespace, keys, rows)
         self.view.put(keys, self.node_id)
 
     def flush_metrics(self, *, resolve: bool = True) -> bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 
 from kvstore.block import verify_block
 from kvstore.config import ClientConfig
@@ -186,10 +187,26 @@ class StoreNodeClient:
         if all(len(v) == size for _, v in views) and (size + 64) * len(views) <= per_batch:
             # Fits one message: a unary call (no request-streaming thread per call), its
             # bytes written by hand so the blocks are copied once (protobuf would copy thrice).
-            resp = self._unary(self._put_batch, encode_put_batch(spec, views))
+            resp = self._unary(self._put_batch, encode_put_batch(
+                spec, [k for k, _ in views], size, [v for _, v in views]))
         else:
             resp = self._call(lambda: self._stub.Put(messages(), timeout=self.config.timeout_s,
                                                      metadata=self._metadata))
+        return PutResult(resp.num_stored, resp.num_existing)
+
+    def put_rows(self, namespace: Namespace, keys: list[bytes], rows: np.ndarray) -> PutResult:
+        """``put_blocks`` for blocks encoded back to back (``rows``: a C-contiguous uint8
+        ``[n, block_nbytes]`` array, as ``ClusterStore.batch_put`` encodes a batch): a batch
+        that fits one message is written from the array as it is, with no view per block."""
+        if len(keys) != len(rows):
+            raise ValueError(f"{len(keys)} keys for {len(rows)} encoded blocks")
+        if not len(keys):
+            return PutResult(0, 0)
+        if (rows.shape[1] + 64) * len(keys) > min(self._chunk, BATCH_BYTES) \
+                or not rows.flags.c_contiguous:
+            return self.put_blocks(namespace, list(zip(keys, rows, strict=True)))
+        resp = self._unary(self._put_batch, encode_put_batch(
+            spec_from_namespace(namespace), keys, rows.shape[1], [rows]))
         return PutResult(resp.num_stored, resp.num_existing)
 
     def get_blocks(self, keys: Sequence[bytes]) -> list[bytes | bytearray | None]:

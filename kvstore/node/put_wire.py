@@ -7,7 +7,8 @@ protobuf-built messages.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from protos import kvstore_pb2 as pb
 
@@ -50,17 +51,21 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def encode_put_batch(spec: pb.NamespaceSpec, views: list[tuple[bytes, memoryview]]) -> bytes:
-    """A serialized ``PutBatchRequest`` of one batch ``PutChunk`` (equal-sized blocks).
+def encode_put_batch(spec: pb.NamespaceSpec, keys: list[bytes], block_nbytes: int,
+                     data: Sequence[Any]) -> bytes:
+    """A serialized ``PutBatchRequest`` of one batch ``PutChunk``: ``len(keys)`` blocks of
+    ``block_nbytes`` each, whose bytes are ``data`` joined (one buffer per block, or the whole
+    batch encoded back to back in one).
 
     Protobuf accepts fields in any order, so the chunk is its small fields serialized by
     protobuf followed by ``data`` (field 5) written here; the block bytes are copied once, by
     the join. Tests parse it back against the protobuf-built message.
     """
-    head = pb.PutChunk(namespace=spec, keys=[k for k, _ in views],
-                       total_nbytes=len(views[0][1])).SerializeToString()
-    nbytes = sum(len(v) for _, v in views)
+    nbytes = sum(memoryview(d).nbytes for d in data)
+    if nbytes != block_nbytes * len(keys):
+        raise ValueError(f"{nbytes} bytes are not {len(keys)} blocks of {block_nbytes}")
+    head = pb.PutChunk(namespace=spec, keys=keys, total_nbytes=block_nbytes).SerializeToString()
     data_field = b"\x2a" + _varint(nbytes)  # field 5, length-delimited
     chunk_len = len(head) + len(data_field) + nbytes
     return b"".join([b"\x0a", _varint(chunk_len), head, data_field,  # PutBatchRequest.chunks
-                     *(v for _, v in views)])
+                     *data])

@@ -127,7 +127,10 @@ def test_hand_encoded_put_batch_parses_as_the_protobuf_message(num_blocks: int) 
 
     ns = make_namespace()
     keys, _, blocks = make_blocks(ns, num_blocks)
-    views = [(k, memoryview(b)) for k, b in zip(keys, blocks, strict=True)]
-    raw = encode_put_batch(spec_from_namespace(ns), views)
     want = batch_request(ns, keys, blocks)
-    assert pb.PutBatchRequest.FromString(raw) == want
+    spec, size = spec_from_namespace(ns), len(blocks[0])
+    # one buffer per block (put_blocks) and the batch back to back in one (put_rows)
+    for data in ([memoryview(b) for b in blocks], [b"".join(blocks)]):
+        assert pb.PutBatchRequest.FromString(encode_put_batch(spec, keys, size, data)) == want
+    with pytest.raises(ValueError, match="are not"):
+        encode_put_batch(spec, keys, size + 1, [b"".join(blocks)])
