@@ -60,6 +60,14 @@ def _pack(keys: Sequence[bytes]) -> np.ndarray:
     return np.frombuffer(b"".join(keys), dtype=np.uint64).reshape(len(keys), 4)
 
 
+def _distinct(keys: Sequence[bytes]) -> bool:
+    """Whether no key repeats (a set in C: cheaper than sorting the packed rows)."""
+    try:
+        return len(set(keys)) == len(keys)
+    except TypeError:  # unhashable (a bytearray): let the sort decide
+        return False
+
+
 @dataclass(slots=True)
 class Candidate:
     """Why a block was chosen: kept for tests and the status view."""
@@ -194,14 +202,15 @@ class LRUTable:
         if not keys:
             return 0
         packed = _pack(keys)
-        # one row per distinct key: a batch may repeat a key
-        _, first = np.unique(packed, axis=0, return_index=True)
-        first.sort()
-        packed = packed[first]
-        keys = [keys[i] for i in first]
-        parents = [parents[i] for i in first]
-        nbytes = [nbytes[i] for i in first]
-        root_list = None if roots is None else [roots[i] for i in first]
+        if not _distinct(keys):  # one row per distinct key: a batch may repeat a key
+            _, first = np.unique(packed, axis=0, return_index=True)
+            first.sort()
+            packed = packed[first]
+            keys = [keys[i] for i in first]
+            parents = [parents[i] for i in first]
+            nbytes = [nbytes[i] for i in first]
+            roots = None if roots is None else [roots[i] for i in first]
+        root_list = roots
         self._reserve(len(keys))
         slots, _ = self._find(packed)
         missing = np.flatnonzero(slots < 0)
@@ -216,7 +225,8 @@ class LRUTable:
             self.used_at[new] = 0.0
         newly = self.sets.hold(node, slots)
         self.nbytes[slots] = np.asarray(nbytes, dtype=np.int64)
-        packed_parents = _pack([p if p else bytes(KEY_NBYTES) for p in parents])
+        packed_parents = _pack(parents if all(parents) else
+                               [p if p else bytes(KEY_NBYTES) for p in parents])
         self.parent[slots] = packed_parents
         self.last_use[slots] = self._tick(len(keys))
         self.used_at[slots] = np.maximum(self.used_at[slots], now)
@@ -234,7 +244,10 @@ class LRUTable:
                       parents: Sequence[bytes | None], packed_parents: np.ndarray,
                       roots: Sequence[bytes | None] | None) -> None:
         if roots is not None and all(roots):  # the index always knows: no inference needed
-            self.root[slots] = [self._root_id(r) for r in roots]  # type: ignore[arg-type]
+            # one id per distinct root, new ones numbered in order of first appearance
+            ids = {r: self._root_id(r) for r in dict.fromkeys(roots)}  # type: ignore[misc]
+            self.root[slots] = (ids[roots[0]] if len(ids) == 1
+                                else list(map(ids.__getitem__, roots)))
             return
         pslots = self._find(packed_parents)[0]
         in_batch: dict[bytes, int] = {}
