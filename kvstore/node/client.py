@@ -32,7 +32,7 @@ from kvstore.errors import (
 from kvstore.keys import Namespace
 from kvstore.node.bulk import BulkClient
 from kvstore.node.pool import BlockLocation
-from kvstore.node.put_wire import BATCH_BYTES, encode_put_batch, put_messages
+from kvstore.node.put_wire import BATCH_BYTES, UNARY_PUT_BYTES, encode_put_batch, put_messages
 from kvstore.node.wire import (
     AUTH_HEADER,
     error_from_rpc,
@@ -197,12 +197,12 @@ class StoreNodeClient:
     def put_rows(self, namespace: Namespace, keys: list[bytes], rows: np.ndarray) -> PutResult:
         """``put_blocks`` for blocks encoded back to back (``rows``: a C-contiguous uint8
         ``[n, block_nbytes]`` array, as ``ClusterStore.batch_put`` encodes a batch): a batch
-        that fits one message is written from the array as it is, with no view per block."""
+        of up to ``UNARY_PUT_BYTES`` is one message written from the array as it is."""
         if len(keys) != len(rows):
             raise ValueError(f"{len(keys)} keys for {len(rows)} encoded blocks")
         if not len(keys):
             return PutResult(0, 0)
-        if (rows.shape[1] + 64) * len(keys) > min(self._chunk, BATCH_BYTES) \
+        if (rows.shape[1] + 64) * len(keys) > min(self._chunk, UNARY_PUT_BYTES) \
                 or not rows.flags.c_contiguous:
             return self.put_blocks(namespace, list(zip(keys, rows, strict=True)))
         resp = self._unary(self._put_batch, encode_put_batch(

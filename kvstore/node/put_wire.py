@@ -15,6 +15,10 @@ from protos import kvstore_pb2 as pb
 #: Bytes of whole blocks per batch Put message: big enough that per-message costs vanish,
 #: small enough that the server verifies one batch while the next is on the wire.
 BATCH_BYTES = 1 << 20
+#: A batch encoded back to back (``StoreNodeClient.put_rows``) up to this size travels as one
+#: unary ``PutBatch``: no request-streaming thread, no message objects, one verify pass. Past
+#: it, the stream overlaps the node's verification with the transfer (worth it on a slow link).
+UNARY_PUT_BYTES = 8 << 20
 
 
 def put_messages(views: list[tuple[bytes, memoryview]], chunk: int, per_batch: int

@@ -51,6 +51,29 @@ def clients(srv: StoreServer, pool: BlockPool) -> dict[str, StoreNodeClient]:
     }
 
 
+@pytest.mark.parametrize("unary_limit", [8 << 20, 1])
+def test_put_rows_stores_exactly_what_put_blocks_does(server, monkeypatch,
+                                                      unary_limit: int) -> None:
+    """A batch encoded back to back goes as one unary PutBatch, or (past UNARY_PUT_BYTES) as
+    the stream: the node holds the same bytes either way, and held keys count as existing."""
+    import numpy as np
+
+    import kvstore.node.client as client_module
+
+    monkeypatch.setattr(client_module, "UNARY_PUT_BYTES", unary_limit)
+    srv, pool = server
+    client = clients(srv, pool)["grpc"]
+    ns = make_namespace()
+    keys, _, blocks = make_blocks(ns, 6)
+    rows = np.frombuffer(b"".join(blocks), dtype=np.uint8).reshape(6, len(blocks[0]))
+    assert client.put_rows(ns, keys[:2], rows[:2]).num_stored == 2
+    result = client.put_rows(ns, keys, rows)
+    assert (result.num_stored, result.num_existing) == (4, 2)
+    assert [pool.get(k) for k in keys] == [bytes(b) for b in blocks]
+    with pytest.raises(ValueError, match="6 keys for 5 encoded blocks"):
+        client.put_rows(ns, keys, rows[:5])
+
+
 @pytest.mark.parametrize("path", ["grpc", "bulk", "shm"])
 def test_round_trip_is_bitwise_on_every_path(server, path: str) -> None:
     srv, pool = server
