@@ -98,6 +98,10 @@ class ClientResult:
     failed_reads: int = 0
     errors: list[str] = field(default_factory=list)
     store_s: list[float] = field(default_factory=list)
+    #: Seconds spent in each call, summed (where a request's time goes).
+    lookup_s: float = 0.0
+    get_s: float = 0.0
+    put_s: float = 0.0
     t_first: float = 0.0
     t_last: float = 0.0
 
@@ -134,9 +138,13 @@ def replay_client(address: str, config: KVStoreConfig, trace: str, limit: int, c
         try:
             t0 = time.perf_counter()
             promised = store.lookup_prefix(NS, req.keys).num_blocks
+            t1 = time.perf_counter()
             got = store.batch_get(NS, req.keys[:promised], req.token_ids[:promised]) \
                 if promised else []
-            spent = time.perf_counter() - t0
+            t2 = time.perf_counter()
+            spent = t2 - t0
+            res.lookup_s += t1 - t0
+            res.get_s += t2 - t1
             served = 0
             for i, r in enumerate(got):
                 if isinstance(r, FetchedBlock):
@@ -155,7 +163,9 @@ def replay_client(address: str, config: KVStoreConfig, trace: str, limit: int, c
                         payload_tensors(req.keys[served:]), strict=True)]
             t0 = time.perf_counter()
             store.batch_put(NS, puts)
-            res.store_s.append(spent + time.perf_counter() - t0)
+            put = time.perf_counter() - t0
+            res.put_s += put
+            res.store_s.append(spent + put)
         except KVStoreError as exc:  # counted and reported: a replay must show none
             res.errors.append(f"{type(exc).__name__}: {exc}")
     res.t_last = time.time()
@@ -207,6 +217,9 @@ def replay(address: str, config: KVStoreConfig, trace: Path, limit: int, num_cli
         "req_per_s": num_requests / wall,
         "p50_ms": statistics.median(store_ms),
         "p99_ms": store_ms[min(len(store_ms) - 1, int(0.99 * len(store_ms)))],
+        # mean ms per request in each call, and outside them (the replay's own work, waits)
+        **{f"{what}_ms_mean": 1e3 * sum(getattr(r, f"{what}_s") for r in results)
+           / max(num_requests, 1) for what in ("lookup", "get", "put")},
         "stale_promises": sum(r.stale_promises for r in results),
         "wrong_blocks": sum(r.wrong_blocks for r in results),
         "failed_reads": sum(r.failed_reads for r in results),
@@ -300,6 +313,7 @@ def main() -> None:
                     f"wrong_blocks_{tag}": run["wrong_blocks"],
                     f"failed_reads_{tag}": run["failed_reads"],
                     f"errors_{tag}": run["errors"],
+                    **{f"{w}_ms_mean_{tag}": run[f"{w}_ms_mean"] for w in ("lookup", "get", "put")},
                     f"ratio_hit_vs_lru_low_watermark_{tag}": run["hit_rate"] / max(
                         low.prefix_hit_rate, 1e-9)})
                 rows.append((f"{pct}% = {num_blocks} blocks, {n} cl: hit rate",
@@ -308,6 +322,10 @@ def main() -> None:
                              f"{low.prefix_hit_rate:.2%}), MIN {opt.block_hit_rate:.2%}"))
                 rows.append(("  req/s; p50 / p99 ms", f"{run['req_per_s']:.1f}",
                              f"{run['p50_ms']:.0f} / {run['p99_ms']:.0f}"))
+                rows.append(("  ms/request: lookup, get, put",
+                             f"{run['lookup_ms_mean']:.2f}, {run['get_ms_mean']:.2f}, "
+                             f"{run['put_ms_mean']:.2f}",
+                             f"of {1e3 * n / run['req_per_s']:.2f} per request"))
                 rows.append(("  evicted, stale, wrong, failed, errors",
                              f"{run['evictions']}, {run['stale_promises']}, "
                              f"{run['wrong_blocks']}, {run['failed_reads']}, {run['errors']}",
