@@ -255,7 +255,7 @@ class StoreNode:
         for _ in range(_ROOM_REQUESTS):
             try:
                 keys = self._call("request_eviction", self.node_id, nbytes,
-                                  self.pool.stats().used_bytes)
+                                  self.pool.used_bytes())
             except (RayActorError, GetTimeoutError, NodeUnavailable):
                 return False  # no coordinator: refuse the Put rather than guess
             if not keys:
@@ -269,11 +269,15 @@ class StoreNode:
         key; ``watermark`` where missing) and tell the index."""
         if not keys:
             return 0
-        held = [k for k in keys if self.pool.contains(k)]
-        freed = self.pool.evict(list(keys))
-        gone = [k for k in keys if not self.pool.contains(k)]
+        keys = list(keys)
+        before = self.pool.held(keys)
+        freed = self.pool.evict(keys)
+        after = self.pool.held(keys)
+        gone = [k for k, there in zip(keys, after, strict=True) if not there]
         cause_of = dict(zip(keys, causes, strict=False))
-        evicted = Counter(cause_of.get(k, "watermark") for k in held if not self.pool.contains(k))
+        evicted = Counter(cause_of.get(k, "watermark")
+                          for k, was, there in zip(keys, before, after, strict=True)
+                          if was and not there)
         for cause, n in evicted.items():
             metrics.record_evictions(self.node_id, cause, n)
         for k in gone:

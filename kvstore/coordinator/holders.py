@@ -34,6 +34,18 @@ LANES = 4
 _NO_SLOTS = np.zeros(0, dtype=np.int64)
 
 
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """``np.unique`` of a 1-d array by sort and compare (numpy 2's hashing ``unique`` is
+    several times slower on integers)."""
+    out = np.sort(values)
+    if out.size > 1:
+        keep = np.empty(out.size, dtype=bool)
+        keep[0] = True
+        np.not_equal(out[1:], out[:-1], out=keep[1:])
+        out = out[keep]
+    return out
+
+
 def decode(code: int) -> tuple[int, ...]:
     """The inline node slots of one code, lane order."""
     return tuple(lane - 1 for lane in (code & 0xFFFF, code >> 16 & 0xFFFF, code >> 32 & 0xFFFF,
@@ -167,9 +179,36 @@ class HolderSets:
         if not held:
             return _NO_SLOTS
         candidates = np.frombuffer(held, dtype=np.int32).astype(np.int64)
-        mine = np.unique(candidates[self.contains(node, candidates)])
+        mine = sorted_unique(candidates[self.contains(node, candidates)])
         if mine.size != len(held):
             self._by_node[node] = array("i", mine.astype(np.int32).tobytes())
+        return mine
+
+    def held_slots(self, node: int) -> np.ndarray:
+        """The table slots ``node`` holds, each once, in no particular order.
+
+        What the eviction planner reads on every call: unlike ``slots_of`` it neither sorts
+        nor deduplicates when the node's list is already exact (as many entries as blocks
+        held: every held slot is listed, so no entry can then be stale or repeated). Otherwise
+        the stale entries are filtered out (and repeats dropped) and the list is rewritten, so
+        the next call finds it exact again.
+        """
+        held = self._by_node.get(node)
+        if not held:
+            return _NO_SLOTS
+        candidates = np.frombuffer(held, dtype=np.int32).astype(np.int64)
+        num = self._num_held.get(node, 0)
+        if candidates.size == num:
+            return candidates
+        if self.spill:
+            mine = candidates[self.contains(node, candidates)]
+        else:  # no spill: a lane of the code equals node + 1 (zero-lane test, SWAR)
+            ones = np.uint64(0x0001_0001_0001_0001)
+            x = self.codes[candidates] ^ (np.uint64(node + 1) * ones)
+            mine = candidates[((x - ones) & ~x & np.uint64(0x8000_8000_8000_8000)) != 0]
+        if mine.size != num:  # a slot listed twice (held, let go, held again): drop repeats
+            mine = sorted_unique(mine)
+        self._by_node[node] = array("i", mine.astype(np.int32).tobytes())
         return mine
 
     def num_held(self, node: int) -> int:

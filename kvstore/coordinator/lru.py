@@ -296,9 +296,10 @@ class LRUTable:
         self._release(slots[gone], where[gone])
         return int(held.sum())
 
-    def _slots_of(self, node: int) -> np.ndarray:
-        """Table slots node slot ``node`` holds, ascending: O(its blocks), no full scan."""
-        return self.sets.slots_of(node)
+    def _slots_of(self, node: int, ordered: bool = True) -> np.ndarray:
+        """Table slots node slot ``node`` holds, ascending: O(its blocks), no full scan.
+        ``ordered=False`` (the planner) skips the sort: each slot once, in any order."""
+        return self.sets.slots_of(node) if ordered else self.sets.held_slots(node)
 
     def num_blocks_of(self, node: int) -> int:
         """How many blocks node slot ``node`` holds."""

@@ -372,6 +372,18 @@ class BlockPool:
         with self._lock:
             return list(self._entries)
 
+    def held(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether the pool holds each of ``keys`` (``contains`` for a batch, one lock hold)."""
+        with self._lock:
+            entries = self._entries
+            return [key in entries for key in keys]
+
+    def used_bytes(self) -> int:
+        """Bytes in use now, as ``stats().used_bytes`` says, without walking the entries."""
+        with self._lock:
+            self._reap_expired_locked(time.monotonic())
+            return self.capacity_bytes - self._alloc.free_bytes
+
     def stats(self) -> PoolStats:
         with self._lock:
             self._reap_expired_locked(time.monotonic())

@@ -133,3 +133,53 @@ def test_reserve_many_returns_what_fit_then_says_why(full_pool) -> None:
     with pytest.raises(PoolFull, match="found nothing evictable"):
         pool.reserve_many(keys[2:], BLOCK)
     assert pool.commit_many(got) == [True, True]
+
+
+class _FakeServer:
+    def __init__(self) -> None:
+        self.forgotten: list[bytes] = []
+
+    def forget(self, key: bytes) -> None:
+        self.forgotten.append(key)
+
+
+def _bare_node(pool: BlockPool, plans: list[list[bytes]]):
+    """A StoreNode without Ray: just what ``_make_room`` and ``_evict`` use."""
+    from kvstore.cluster.store_node import StoreNode
+
+    node = object.__new__(StoreNode)
+    node.pool = pool
+    node.node_id = "n" * 56
+    node.server = _FakeServer()
+    node._redis = None
+    node.calls = []
+
+    def call(method: str, *args, **kwargs):
+        node.calls.append((method, args))
+        return plans.pop(0) if method == "request_eviction" else None
+
+    node._call = call
+    return node
+
+
+def test_make_room_sends_the_use_and_evict_reports_only_what_went(full_pool) -> None:
+    from kvstore import metrics
+
+    full_pool.pin(make_key(1))
+    lease = full_pool.lease([make_key(2)], ttl_s=60)
+    plan = [make_key(0), make_key(1), make_key(2), make_key(3), make_key(999), make_key(0)]
+    node = _bare_node(full_pool, [plan])
+    before = metrics.EVICTIONS.labels(node_id=node.node_id, cause="capacity")._value.get()
+    used = full_pool.used_bytes()
+    assert used == full_pool.stats().used_bytes == NUM_BLOCKS * BLOCK
+    assert node._make_room(BLOCK)
+    request, removed = node.calls
+    assert request == ("request_eviction", (node.node_id, BLOCK, used))
+    gone = [make_key(0), make_key(3), make_key(999), make_key(0)]  # as given, absent ones too
+    assert removed == ("removed", (node.node_id, gone))
+    assert node.server.forgotten == gone
+    assert full_pool.held(plan) == [False, True, True, False, False, False]
+    after = metrics.EVICTIONS.labels(node_id=node.node_id, cause="capacity")._value.get()
+    # blocks that were there and went, one per key given (key 0 is given twice)
+    assert after - before == 3
+    full_pool.release(lease.lease_id)

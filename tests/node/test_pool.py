@@ -340,3 +340,25 @@ def test_commit_many_refuses_a_key_committed_since_its_reservation(make_pool) ->
     assert pool.put(make_key(2), make_block(2, size))  # the racer
     assert pool.commit_many([r for r in first if r is not None]) == [True, False]
     assert pool.stats().used_bytes == 2 * size  # the loser's space came back
+
+
+def test_held_and_used_bytes_match_contains_and_stats(tmp_path) -> None:
+    pool = BlockPool(64 * 4096, shm_dir=str(tmp_path))
+    try:
+        for i in range(20):
+            assert pool.put(make_key(i), bytes(1000 + i))
+        pool.delete(make_key(3))
+        keys = [make_key(i) for i in (0, 3, 19, 99, 0)]
+        assert pool.held(keys) == [pool.contains(k) for k in keys] == [True, False, True,
+                                                                       False, True]
+        assert pool.held([]) == []
+        assert pool.used_bytes() == pool.stats().used_bytes > 0
+        # a deleted block under an expired lease frees its bytes: both figures see it
+        pool.lease([make_key(5)], ttl_s=0.05)
+        pool.delete(make_key(5))
+        held_up = pool.used_bytes()
+        time.sleep(0.1)
+        assert pool.used_bytes() < held_up
+        assert pool.used_bytes() == pool.stats().used_bytes
+    finally:
+        pool.close()
