@@ -60,10 +60,12 @@ class ClusterStore:
 
     def __init__(self, node_id: str, index: Index, directory: Directory,
                  config: ClientConfig | None = None, *, local_node_id: str | None = None,
-                 lease_ttl_s: float = 30.0) -> None:
+                 lease_ttl_s: float = 30.0, owns_index: bool = False) -> None:
         """``node_id``: the store node this worker writes to; ``local_node_id``: the Ray
-        node the worker runs on (defaults to ``node_id``), whose arena it may map."""
+        node the worker runs on (defaults to ``node_id``), whose arena it may map;
+        ``owns_index``: ``close`` closes the index too (it was made for this store)."""
         self.node_id = node_id
+        self._owns_index = owns_index
         self.local_node_id = local_node_id or node_id
         self.index = index
         self.config = config or ClientConfig()
@@ -189,6 +191,8 @@ class ClusterStore:
             clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             client.close()
+        if self._owns_index:
+            self.index.close()
 
     # -- internals --------------------------------------------------------------------------
     def _push_loop(self) -> None:

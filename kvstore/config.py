@@ -164,10 +164,16 @@ class CoordinatorConfig:
     # the coordinator's Prometheus /metrics: 0 picks a free port, None turns it off
     metrics_port: int | None = 0
     metrics_host: str = "127.0.0.1"
+    # The data path's lookups and publishes over gRPC (kvstore.coordinator.index_service),
+    # bound and authenticated as the store nodes are (server.*): 0 picks a free port, None
+    # turns it off (every caller then uses the Ray actor).
+    index_port: int | None = 0
 
     def __post_init__(self) -> None:
         _check(self.metrics_port is None or 0 <= self.metrics_port < 65536,
                "coordinator.metrics_port must be in [0, 65535] (0 picks a free port)")
+        _check(self.index_port is None or 0 <= self.index_port < 65536,
+               "coordinator.index_port must be in [0, 65535] (0 picks a free port; null: off)")
         _check(0 < self.low_watermark < self.high_watermark <= 1.0,
                "coordinator watermarks need 0 < low_watermark < high_watermark <= 1 "
                f"(got low={self.low_watermark}, high={self.high_watermark})")

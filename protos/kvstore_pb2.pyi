@@ -270,3 +270,41 @@ class FetchTimes(_message.Message):
     path: str
     seconds: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, path: _Optional[str] = ..., seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class JoinedKeys(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: bytes
+    def __init__(self, keys: _Optional[bytes] = ...) -> None: ...
+
+class HolderSet(_message.Message):
+    __slots__ = ("node_ids",)
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HoldersReply(_message.Message):
+    __slots__ = ("num_keys", "sets", "set_of_key")
+    NUM_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SETS_FIELD_NUMBER: _ClassVar[int]
+    SET_OF_KEY_FIELD_NUMBER: _ClassVar[int]
+    num_keys: int
+    sets: _containers.RepeatedCompositeFieldContainer[HolderSet]
+    set_of_key: bytes
+    def __init__(self, num_keys: _Optional[int] = ..., sets: _Optional[_Iterable[_Union[HolderSet, _Mapping]]] = ..., set_of_key: _Optional[bytes] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("node_id", "keys", "parent_keys", "nbytes", "roots", "root_of_entry")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PARENT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ROOTS_FIELD_NUMBER: _ClassVar[int]
+    ROOT_OF_ENTRY_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    keys: bytes
+    parent_keys: bytes
+    nbytes: bytes
+    roots: _containers.RepeatedScalarFieldContainer[bytes]
+    root_of_entry: bytes
+    def __init__(self, node_id: _Optional[str] = ..., keys: _Optional[bytes] = ..., parent_keys: _Optional[bytes] = ..., nbytes: _Optional[bytes] = ..., roots: _Optional[_Iterable[bytes]] = ..., root_of_entry: _Optional[bytes] = ...) -> None: ...

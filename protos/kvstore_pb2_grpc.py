@@ -611,3 +611,161 @@ class StoreNode:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class CoordinatorIndexStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.LookupPrefix = channel.unary_unary(
+                '/kvstore.v1.CoordinatorIndex/LookupPrefix',
+                request_serializer=protos_dot_kvstore__pb2.JoinedKeys.SerializeToString,
+                response_deserializer=protos_dot_kvstore__pb2.HoldersReply.FromString,
+                _registered_method=True)
+        self.Holders = channel.unary_unary(
+                '/kvstore.v1.CoordinatorIndex/Holders',
+                request_serializer=protos_dot_kvstore__pb2.JoinedKeys.SerializeToString,
+                response_deserializer=protos_dot_kvstore__pb2.HoldersReply.FromString,
+                _registered_method=True)
+        self.Publish = channel.unary_unary(
+                '/kvstore.v1.CoordinatorIndex/Publish',
+                request_serializer=protos_dot_kvstore__pb2.PublishRequest.SerializeToString,
+                response_deserializer=protos_dot_kvstore__pb2.Empty.FromString,
+                _registered_method=True)
+
+
+class CoordinatorIndexServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def LookupPrefix(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Holders(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Publish(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_CoordinatorIndexServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'LookupPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupPrefix,
+                    request_deserializer=protos_dot_kvstore__pb2.JoinedKeys.FromString,
+                    response_serializer=protos_dot_kvstore__pb2.HoldersReply.SerializeToString,
+            ),
+            'Holders': grpc.unary_unary_rpc_method_handler(
+                    servicer.Holders,
+                    request_deserializer=protos_dot_kvstore__pb2.JoinedKeys.FromString,
+                    response_serializer=protos_dot_kvstore__pb2.HoldersReply.SerializeToString,
+            ),
+            'Publish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Publish,
+                    request_deserializer=protos_dot_kvstore__pb2.PublishRequest.FromString,
+                    response_serializer=protos_dot_kvstore__pb2.Empty.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvstore.v1.CoordinatorIndex', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvstore.v1.CoordinatorIndex', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class CoordinatorIndex:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def LookupPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.CoordinatorIndex/LookupPrefix',
+            protos_dot_kvstore__pb2.JoinedKeys.SerializeToString,
+            protos_dot_kvstore__pb2.HoldersReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Holders(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.CoordinatorIndex/Holders',
+            protos_dot_kvstore__pb2.JoinedKeys.SerializeToString,
+            protos_dot_kvstore__pb2.HoldersReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Publish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.CoordinatorIndex/Publish',
+            protos_dot_kvstore__pb2.PublishRequest.SerializeToString,
+            protos_dot_kvstore__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

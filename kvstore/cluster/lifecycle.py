@@ -292,10 +292,10 @@ def connect(config: KVStoreConfig | None = None, *, address: str | None = None) 
     # holder's arena instead of fetching over gRPC.
     node_id = config.client.node_id or ray.get_runtime_context().get_node_id()
     index = make_index(config.index) if config.index.backend == "redis" else CoordinatorIndex(
-        coordinator)
+        coordinator, config.client)
     return ClusterStore(
         node_id, index, lambda: ray.get(coordinator.directory.remote()), config.client,
-        local_node_id=node_id, lease_ttl_s=config.coordinator.lease_ttl_s,
+        local_node_id=node_id, lease_ttl_s=config.coordinator.lease_ttl_s, owns_index=True,
     )
 
 

@@ -13,7 +13,6 @@ out-of-memory crash.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import glob
 import logging
 import os
@@ -32,6 +31,7 @@ from kvstore.block import BlockHeader, verify_block_self
 from kvstore.cluster.names import arena_glob, arena_name, coordinator_handle
 from kvstore.config import ClientConfig, KVStoreConfig, ServerConfig
 from kvstore.constants import align_up
+from kvstore.coordinator.index_service import FastPath
 from kvstore.errors import BlockCorrupted, BlockMismatch, KVStoreError, NodeUnavailable, PoolFull
 from kvstore.index.base import IndexEntry
 from kvstore.index.factory import make_index
@@ -39,10 +39,10 @@ from kvstore.index.packed import PackedEntries
 from kvstore.node.client import StoreNodeClient
 from kvstore.node.pool import BlockPool
 from kvstore.node.server import StoreServer
+from kvstore.node.wire import bind_node_ip
 
 log = logging.getLogger(__name__)
 
-_LOCAL_HOSTS = ("127.0.0.1", "localhost")
 #: Attempts (one per second) to register with a coordinator that is (re)starting.
 _REGISTER_ATTEMPTS = 60
 #: Eviction plans one make-room asks for while the pool refuses every key (all leased).
@@ -139,12 +139,14 @@ class StoreNode:
         self._touched: dict[bytes, None] = {}  # ordered set: recency order is kept
         self._remote_reads: dict[str, list[bytes]] = {}  # reader node -> keys, one per read
         self._coordinator = coordinator_handle()
+        # Publishes over the coordinator's gRPC index service when it has one (index_service).
+        self._index_fast = FastPath(lambda: self._call("index_address"), config.client)
         # With Redis the node writes the index itself, so readers see keys even while the
         # coordinator restarts; the coordinator still records the blocks for its LRU.
         self._redis = make_index(config.index) if config.index.backend == "redis" else None
         self.server = StoreServer(
             EvictingPool(self.pool, self._make_room),
-            self.node_id, _server_config(config.server, ip), on_publish=self._on_publish,
+            self.node_id, bind_node_ip(config.server, ip), on_publish=self._on_publish,
             default_lease_ttl_s=config.coordinator.lease_ttl_s, on_read=self._record_reads,
         )
         self.server.start()
@@ -188,6 +190,7 @@ class StoreNode:
         metrics.stop_metrics_servers()
         metrics.forget_node(self.node_id)
         self.pool.close()
+        self._index_fast.close()
         if self._redis is not None:
             self._redis.close()
 
@@ -234,6 +237,13 @@ class StoreNode:
         """Make freshly stored blocks visible before Put returns (raises = Put fails)."""
         if self._redis is not None:
             self._redis.publish(entries)
+        client = self._index_fast.client()
+        if client is not None:
+            try:
+                client.publish(self.node_id, entries)  # gRPC: a few times cheaper than Ray
+                return
+            except KVStoreError:  # restarted or unreachable: the actor call below
+                self._index_fast.failed(client)
         # Packed: the coordinator gets the same list[IndexEntry], pickled as a few byte strings.
         self._call("publish", self.node_id, PackedEntries(entries))
 
@@ -407,12 +417,6 @@ def start_node_metrics(config: ServerConfig, ip: str, node_id: str,
     metrics.watch_pool(node_id, stats)
     return metrics.serve_metrics(config.metrics_port, config.metrics_host, ip,
                                  f"store node {node_id[:12]}")
-
-
-def _server_config(config: ServerConfig, ip: str) -> ServerConfig:
-    """Bind the node's IP (not loopback) so other nodes can reach it; advertise that IP."""
-    host = ip if config.host in _LOCAL_HOSTS else config.host
-    return dataclasses.replace(config, host=host, advertise_host=config.advertise_host or ip)
 
 
 #: The actor class ``kvstore.cluster.lifecycle`` starts (placement and names are set there).

@@ -14,10 +14,12 @@ from typing import Any
 from kvstore.api import NodeAddress, PoolStats, PrefixHit
 from kvstore.config import KVStoreConfig
 from kvstore.coordinator.core import CoordinatorCore
+from kvstore.coordinator.index_service import IndexServer
 from kvstore.coordinator.liveness import NodeStatus, Reaper
 from kvstore.coordinator.messages import HeartbeatReply
 from kvstore.coordinator.workers import WorkerTable
 from kvstore.index.base import IndexEntry
+from kvstore.node.wire import bind_node_ip
 
 
 class Coordinator:
@@ -38,6 +40,16 @@ class Coordinator:
 
         self.metrics_address = serve_metrics(cfg.metrics_port, cfg.metrics_host,
                                              ray.util.get_node_ip_address(), "coordinator")
+        # Lookups and publishes on the data path, without an actor call (index_service).
+        self._index_server: IndexServer | None = None
+        if cfg.index_port is not None:
+            self._index_server = IndexServer(self._core, bind_node_ip(
+                config.server, ray.util.get_node_ip_address()), cfg.index_port)
+            self._index_server.start()
+
+    def index_address(self) -> str | None:
+        """Where readers and store nodes reach the gRPC index service (None: it is off)."""
+        return self._index_server.address if self._index_server is not None else None
 
     def _tick(self) -> None:
         """The reaper's sweep: an index that lost its data first, then silent nodes."""

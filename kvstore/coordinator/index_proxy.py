@@ -1,8 +1,11 @@
 """The Index protocol over the coordinator actor, for readers when the index is in-memory.
 
-With the embedded index the coordinator holds it, so readers and the router ask the actor.
-Writes come from store nodes through their own coordinator calls (publish/removed), which keep
-the LRU table in step; this view forwards them too so it satisfies the whole protocol.
+With the embedded index the coordinator holds it, so readers and the router ask it. The data
+path's two calls, ``lookup_prefix`` and ``holders``, go over the coordinator's gRPC index
+service when it has one (``kvstore.coordinator.index_service``: a few times cheaper than an
+actor call), and over the actor when it has none or cannot be reached. Writes come from store
+nodes through their own coordinator calls (publish/removed), which keep the LRU table in step;
+this view forwards them too so it satisfies the whole protocol.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ from typing import Any
 import ray
 
 from kvstore.api import PrefixHit
+from kvstore.config import ClientConfig
+from kvstore.coordinator.index_service import FastPath
+from kvstore.errors import KVStoreError
 from kvstore.index.base import IndexEntry, InProcessMarker, KeyInfo
 from kvstore.index.checks import check_keys
 
@@ -20,8 +26,12 @@ from kvstore.index.checks import check_keys
 class CoordinatorIndex(InProcessMarker):
     """``kvstore.index.base.Index`` answered by the coordinator actor behind ``handle``."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, config: ClientConfig | None = None, *,
+                 fast_path: bool = True) -> None:
+        """``fast_path=False``: every call is an actor call (tests compare the two)."""
         self.handle = handle
+        self._fast = FastPath(lambda: ray.get(handle.index_address.remote()), config) \
+            if fast_path else None
 
     def publish(self, entries: Sequence[IndexEntry]) -> None:
         """Publish per node, as the store nodes do."""
@@ -33,11 +43,23 @@ class CoordinatorIndex(InProcessMarker):
     def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixHit:
         """Leading keys with a holder."""
         check_keys(keys)
+        client = self._fast.client() if self._fast is not None else None
+        if client is not None:
+            try:
+                return client.lookup_prefix(keys)
+            except KVStoreError:  # restarted or unreachable: the actor answers this one
+                self._fast.failed(client)  # type: ignore[union-attr]
         return ray.get(self.handle.lookup_prefix.remote(list(keys)))
 
     def holders(self, keys: Sequence[bytes]) -> list[list[str]]:
         """Holders per key."""
         check_keys(keys)
+        client = self._fast.client() if self._fast is not None else None
+        if client is not None:
+            try:
+                return client.holders(keys)
+            except KVStoreError:
+                self._fast.failed(client)  # type: ignore[union-attr]
         return ray.get(self.handle.holders.remote(list(keys)))
 
     def info(self, keys: Sequence[bytes]) -> list[KeyInfo | None]:
@@ -80,4 +102,6 @@ class CoordinatorIndex(InProcessMarker):
         raise NotImplementedError("clear the cluster index with `kvstore stop`")
 
     def close(self) -> None:
-        """Nothing to release: the actor outlives its readers."""
+        """The index service's channel; the actor outlives its readers."""
+        if self._fast is not None:
+            self._fast.close()

@@ -8,12 +8,14 @@ code of ``status_for``; the client rebuilds the class from the name, else from t
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 
+from kvstore.config import ServerConfig
 from kvstore.errors import (
     BlockCorrupted,
     BlockMismatch,
@@ -81,6 +83,16 @@ def error_from_rpc(exc: grpc.RpcError, address: str) -> KVStoreError:
     name = details.split(":", 1)[0]
     cls = _ERROR_BY_NAME.get(name) or _ERROR_BY_CODE.get(code, NodeUnavailable)
     return cls(f"{address}: {code.name}: {details}")
+
+
+#: Hosts that mean "this machine only": a server on a cluster binds its node's IP instead.
+LOCAL_HOSTS = ("127.0.0.1", "localhost")
+
+
+def bind_node_ip(config: ServerConfig, ip: str) -> ServerConfig:
+    """Bind the node's IP (not loopback) so other nodes can reach it; advertise that IP."""
+    host = ip if config.host in LOCAL_HOSTS else config.host
+    return dataclasses.replace(config, host=host, advertise_host=config.advertise_host or ip)
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
