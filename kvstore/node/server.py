@@ -3,8 +3,9 @@
 Errors leave as gRPC status codes here (the table is in ``kvstore.node.wire``). The write path
 (the Put stream and the unary PutBatch: two-phase per block, returning only after
 ``on_publish`` made the keys visible in the index) is ``kvstore.node.put_path``, mixed into the
-servicer; the node's bookkeeping it uses (metadata cache, publisher) lives here. Remote bulk reads go through ``kvstore.node.bulk`` instead of ``Get`` when the client has its
-address (see that module for why).
+servicer; the node's bookkeeping it uses (metadata cache, publisher) lives here. Remote bulk
+reads go through ``kvstore.node.bulk`` instead of ``Get`` when the client has its address
+(see that module for why).
 """
 
 from __future__ import annotations
