@@ -97,19 +97,23 @@ def test_a_saved_checkpoint_reuses_bitwise(tmp_path, tiny):
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_probe_finds_the_piece_sizes_of_this_cpu(attn, threads):
-    """Measured here: pieces of 1 or 2 rows differ from the same rows inside a chunk (the
-    matmul switches kernels); 4 and 8 rows and every multiple of a block agree, with 1 thread
-    or 2."""
+    """Measured on the machines this ran on: every multiple of a block agrees with the whole
+    chunk, with 1 thread or 2; pieces below a block depend on the CPU's matmul kernels (4 and 8
+    rows agreed on one machine, only 8 on another, 1 and 2 on neither), so for those the
+    engine's policy must use exactly what the probe found, smallest fitting size first."""
     model = load_model("tiny", seed=0, attn_implementation=attn, num_threads=threads)
     try:
-        assert reuse.probe_piece_sizes(model, 16, 64) == (4, 8, 16, 32, 48, 64)
+        probed = reuse.probe_piece_sizes(model, 16, 64)
         policy = Engine(model, None, make_config(prefill_chunk_tokens=64,
                                                  num_threads=threads)).policy
     finally:
         torch.set_num_threads(1)
+    assert {16, 32, 48, 64} <= set(probed) and set(probed) <= {1, 2, 4, 8, 16, 32, 48, 64}
+    assert 1 not in probed and 2 not in probed  # the kernel switch every CPU so far showed
     assert (policy.resume, policy.publish, policy.pad_keys) == ("block", "block", True)
-    assert policy.exact and policy.as_dict()["piece_sizes"] == [4, 8, 16, 32, 48, 64]
-    assert [policy.piece_size(n) for n in (1, 3, 4, 5, 31, 33, 64)] == [4, 4, 4, 8, 32, 48, 64]
+    assert policy.exact and policy.as_dict()["piece_sizes"] == list(probed)
+    for n in (1, 3, 4, 5, 31, 33, 64):
+        assert policy.piece_size(n) == min(s for s in probed if s >= n)
 
 
 def perturbed(model, below_rows: int):
