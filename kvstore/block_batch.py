@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -90,10 +91,11 @@ def _fixed_columns(namespace: Namespace) -> tuple[np.ndarray, np.ndarray]:
     return cols, want
 
 
-def _verdict(row: np.ndarray, namespace: Namespace, key: bytes) -> bytes | Exception:
+def _verdict(row: np.ndarray, namespace: Namespace, key: bytes, tokens: Any = None
+             ) -> bytes | Exception:
     """``verify_block``'s verdict for one row: its parent key, or the error it raises."""
     try:
-        return verify_block(row, namespace, key).parent_key
+        return verify_block(row, namespace, key, tokens).parent_key
     except (KVStoreError, ValueError) as exc:
         return exc
 
@@ -110,8 +112,8 @@ def _digests_match(digests: list[bytes], joined: bytes, width: int, ok: np.ndarr
             ok[i] = False
 
 
-def verify_blocks(rows: np.ndarray, namespace: Namespace, keys: Sequence[bytes]
-                  ) -> list[bytes | Exception]:
+def verify_blocks(rows: np.ndarray, namespace: Namespace, keys: Sequence[bytes],
+                  token_ids: Sequence[Any] | None = None) -> list[bytes | Exception]:
     """Per-row verdicts of ``verify_block`` for a batch message: the parent key of a good block,
     or the error the one-block check raises for a bad one (raised later, by the caller, when it
     reaches that block: the good blocks before it are kept, as with one message per block).
@@ -123,15 +125,22 @@ def verify_blocks(rows: np.ndarray, namespace: Namespace, keys: Sequence[bytes]
     bad (the one-block path also accepts valid non-canonical encodings), so it, and every row
     of a batch the fast path cannot read (narrow rows, keys that are not 32-byte ``bytes``),
     goes through ``verify_block``, which gives the verdict and names the error.
+
+    ``token_ids`` (a reader's: the tokens it asked for, one sequence per row) are compared
+    too, in one array compare, as ``verify_block`` compares them.
     """
     keys = keys if isinstance(keys, list) else list(keys)
     n = len(rows)
+    tokens: list[Any] = [None] * n if token_ids is None else list(token_ids)
+    if len(tokens) != n:
+        raise ValueError(f"{len(tokens)} token lists for {n} blocks")
     t = _template(namespace)
     off = len(t.prefix)
     end = off + namespace.payload_nbytes
     if (n != len(keys) or rows.ndim != 2 or rows.dtype != np.uint8 or rows.shape[1] < end
             or n == 0 or set(map(type, keys)) != {bytes}):
-        return [_verdict(row, namespace, key) for row, key in zip(rows, keys, strict=True)]
+        return [_verdict(row, namespace, key, tok)
+                for row, key, tok in zip(rows, keys, tokens, strict=True)]
     if not rows.flags.c_contiguous:
         rows = np.ascontiguousarray(rows)  # same bytes, so the same verdicts; rows hash flat
     if set(map(len, keys)) == {KEY_NBYTES}:
@@ -141,6 +150,8 @@ def verify_blocks(rows: np.ndarray, namespace: Namespace, keys: Sequence[bytes]
         joined = b"".join(k if fit else bytes(KEY_NBYTES) for k, fit in zip(keys, ok, strict=True))
     cols, want = _fixed_columns(namespace)
     ok &= (rows[:, cols] == want).all(axis=1)
+    if token_ids is not None:
+        ok &= _tokens_match(rows[:, t.token_ids], tokens, namespace.block_size)
     key_col = rows[:, t.key]
     if key_col.tobytes() != joined:
         ok &= (key_col == np.frombuffer(joined, dtype=np.uint8).reshape(n, KEY_NBYTES)).all(1)
@@ -161,5 +172,21 @@ def verify_blocks(rows: np.ndarray, namespace: Namespace, keys: Sequence[bytes]
     out: list[bytes | Exception] = [parents[i * KEY_NBYTES : (i + 1) * KEY_NBYTES]
                                     for i in range(n)]
     for i in np.flatnonzero(~ok).tolist():
-        out[i] = _verdict(rows[i], namespace, keys[i])
+        out[i] = _verdict(rows[i], namespace, keys[i], tokens[i])
     return out
+
+
+def _tokens_match(token_cols: np.ndarray, tokens: list[Any], block_size: int) -> np.ndarray:
+    """Per row, whether the block's token field holds exactly ``tokens[i]`` (as little-endian
+    int64, the block's encoding); rows it cannot compare in one go are False (they fall back)."""
+    n = len(tokens)
+    try:
+        want = np.array([t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t
+                         for t in tokens])
+    except (ValueError, TypeError):  # ragged or odd input: verify_block says what is wrong
+        return np.zeros(n, dtype=bool)
+    if want.shape != (n, block_size) or want.dtype.kind != "i":  # uint64, floats: fall back
+        return np.zeros(n, dtype=bool)
+    got = token_cols.view("<i8") if token_cols.flags.c_contiguous \
+        else np.ascontiguousarray(token_cols).view("<i8")
+    return (got == want).all(axis=1)

@@ -232,3 +232,39 @@ def test_batch_verify_sorts_mixed_damage_like_the_one_block_check(ns: Namespace)
                for v in _verdicts(good, other, keys))
     with pytest.raises(ValueError):
         verify_blocks(good, ns, keys[:-1])
+
+
+@pytest.mark.parametrize("ns", NAMESPACES, ids=lambda ns: ns.dtype)
+@pytest.mark.parametrize("token_form", ["list", "ndarray", "tensor"])
+def test_batch_verify_checks_the_readers_tokens_as_the_one_block_check(
+        ns: Namespace, token_form: str) -> None:
+    """A reader passes the tokens it asked for: a row whose tokens differ (or that cannot be
+    compared in one go: a wrong count, floats, values past int64) gets verify_block's own
+    verdict with those tokens."""
+    n = 8
+    keys, parents, tokens, payloads = make_batch(ns, n, seed=5)
+    rows = np.empty((n, block_nbytes(ns)), dtype=np.uint8)
+    encode_blocks_into(rows, ns, keys, parents, tokens, payloads)
+    form = {"list": list, "ndarray": np.array, "tensor": torch.tensor}[token_form]
+    asked: list[object] = [form(t) for t in tokens]
+    assert verify_blocks(rows, ns, keys, asked) == parents
+    wrong = [list(t) for t in tokens]
+    wrong[2][0] += 1  # another token at the start
+    wrong[5][-1] = -wrong[5][-1] - 1  # and at the end
+    cases = [[form(t) for t in wrong],
+             [*asked[:3], tokens[3][:-1], *asked[4:]],  # one token short
+             [*asked[:1], [float(x) for x in tokens[1]], *asked[2:]],  # floats
+             [*asked[:6], [1 << 64] * ns.block_size, *asked[7:]]]  # past int64
+    for case in cases:
+        want = []
+        for row, key, tok in zip(rows, keys, case, strict=True):
+            try:
+                want.append(verify_block(row, ns, key, tok).parent_key)
+            except Exception as exc:
+                want.append((type(exc), str(exc)))
+        got = [(type(v), str(v)) if isinstance(v, Exception) else v
+               for v in verify_blocks(rows, ns, keys, case)]
+        assert got == want
+        assert any(isinstance(v, tuple) for v in got)
+    with pytest.raises(ValueError, match="7 token lists for 8 blocks"):
+        verify_blocks(rows, ns, keys, asked[:7])

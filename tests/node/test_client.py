@@ -350,16 +350,22 @@ def test_slow_same_node_copy_renews_its_lease_and_a_lost_lease_is_typed(server) 
     reader = client._reader()
     renewals: list[str] = []
     real_copy, real_renew = reader.copy_verified_into, client.renew
+    real_copy_into = reader.copy_into
 
     def slow_copy(*args, **kwargs):
         time.sleep(0.12)
         return real_copy(*args, **kwargs)
+
+    def slow_copy_into(*args, **kwargs):  # small blocks: copied as a batch, then verified
+        time.sleep(0.12)
+        return real_copy_into(*args, **kwargs)
 
     def counting_renew(lease_id: str, ttl_s: float) -> float:
         renewals.append(lease_id)
         return real_renew(lease_id, ttl_s)
 
     reader.copy_verified_into = slow_copy  # type: ignore[method-assign]
+    reader.copy_into = slow_copy_into  # type: ignore[method-assign]
     client.renew = counting_renew  # type: ignore[method-assign]
     bufs = [bytearray(len(blocks[0])) for _ in keys]
     got = client.get_verified_into(ns, keys, tokens, bufs)
@@ -373,3 +379,45 @@ def test_slow_same_node_copy_renews_its_lease_and_a_lost_lease_is_typed(server) 
     with pytest.raises(LeaseExpired):
         client.get_verified_into(ns, keys, tokens, bufs)
     client.close()
+
+
+def test_small_same_node_blocks_verify_as_a_batch_with_the_per_block_verdicts(
+        server, monkeypatch) -> None:
+    """Small blocks are copied out of the arena and verified a batch at a time: every verdict
+    (good, damaged payload, damaged header, wrong tokens, absent) and every byte handed out
+    equals the one-pass per-block path's, which the test forces as the reference."""
+    import kvstore.node.client as client_module
+
+    srv, pool = server
+    grpc_addr, _ = srv.addresses
+    ns = make_namespace()
+    keys, tokens, blocks = make_blocks(ns, 6, seed=11)
+    writer = StoreNodeClient(grpc_addr, config=FAST)
+    writer.put_blocks(ns, list(zip(keys, blocks, strict=True)))
+    client = StoreNodeClient(grpc_addr, shm_path=pool.path, same_node=True, config=FAST)
+    lease = pool.lease(keys, 30.0)
+    where = {loc.key: loc for loc in lease.locations}
+    pool.release(lease.lease_id)
+    arena = pool._arena.view  # the node's own memory: what a bad disk or a bug would do
+    arena[where[keys[1]].offset + where[keys[1]].nbytes - 1] ^= 0xFF  # payload
+    arena[where[keys[3]].offset + 40] ^= 0x01  # header
+    asked = [*keys[:5], b"\5" * 32]  # the last is not held
+    wanted = list(tokens)
+    wanted[4] = [t + 1 for t in tokens[4]]  # the reader asked for other tokens
+    results = []
+    for small in (0, client_module.SMALL_BLOCK_BYTES):  # 0: one block at a time
+        monkeypatch.setattr(client_module, "SMALL_BLOCK_BYTES", small)
+        bufs = [bytearray(len(blocks[0])) for _ in asked]
+        got = client.get_verified_into(ns, asked, wanted, bufs)
+        results.append(([(type(v), str(v)) if isinstance(v, Exception) else v for v in got],
+                        [bytes(b) for i, b in enumerate(bufs) if got[i] == len(blocks[0])]))
+    assert results[0] == results[1]
+    verdicts = results[1][0]
+    assert verdicts[0] == verdicts[2] == len(blocks[0]) and verdicts[5] is None
+    assert [v[0].__name__ for v in (verdicts[1], verdicts[3], verdicts[4])] == \
+        ["BlockCorrupted", "BlockCorrupted", "BlockMismatch"]
+    assert results[1][1] == [bytes(blocks[0]), bytes(blocks[2])]
+    with pytest.raises(ValueError, match="too small"):
+        client.get_verified_into(ns, keys[:2], tokens[:2], [bytearray(8), bytearray(8)])
+    client.close()
+    writer.close()
