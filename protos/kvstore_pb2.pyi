@@ -79,14 +79,16 @@ class GetChunk(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., found: _Optional[bool] = ..., total_nbytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("keys", "ttl_s", "reader_node_id")
+    __slots__ = ("keys", "ttl_s", "reader_node_id", "release_lease_ids")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     READER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     ttl_s: float
     reader_node_id: str
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ..., reader_node_id: _Optional[str] = ...) -> None: ...
+    release_lease_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ..., reader_node_id: _Optional[str] = ..., release_lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockLocation(_message.Message):
     __slots__ = ("key", "offset", "nbytes")

@@ -70,6 +70,8 @@ class _Servicer(PutPath, pb_grpc.StoreNodeServicer):
 
     # -- leases for same-node readers -------------------------------------------------------
     def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseResponse:
+        for wire_id in request.release_lease_ids:  # the reader's finished leases, first
+            self._release(wire_id)
         try:
             keys = check_keys(request.keys)
             ttl = request.ttl_s if request.ttl_s > 0 else self.s.default_lease_ttl_s
@@ -101,10 +103,13 @@ class _Servicer(PutPath, pb_grpc.StoreNodeServicer):
 
     def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext
                      ) -> pb.Empty:
-        lease_id = self.s.forget_lease(request.lease_id)
+        self._release(request.lease_id)
+        return pb.Empty()
+
+    def _release(self, wire_id: str) -> None:
+        lease_id = self.s.forget_lease(wire_id)
         if lease_id is not None:
             self.pool.release(lease_id)
-        return pb.Empty()
 
     # -- admin ------------------------------------------------------------------------------
     def Exists(self, request: pb.KeysRequest, context: grpc.ServicerContext) -> pb.ExistsResponse:

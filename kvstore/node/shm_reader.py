@@ -94,6 +94,21 @@ class ShmReader:
         np.copyto(out[: src.size], src)
         return int(src.size)
 
+    def gather_into(self, locations: Sequence[BlockLocation], out: np.ndarray) -> None:
+        """Copy blocks of one size into the rows of ``out`` (``[len(locations), size]``
+        uint8), bounds checked for the whole batch first: one slice copy per block, none of
+        ``copy_into``'s per-call conversions."""
+        if out.dtype != np.uint8 or out.ndim != 2 or out.shape[0] != len(locations):
+            raise ValueError(f"out must be a uint8 [{len(locations)}, size] array")
+        width = out.shape[1]
+        for loc in locations:
+            if loc.nbytes != width or loc.offset < 0 or loc.offset + width > self.size:
+                self._src(loc)  # raises the out-of-arena error
+                raise ValueError(f"block of {loc.nbytes} bytes in a row of {width}")
+        arr = self._arr
+        for row, loc in zip(out, locations, strict=True):
+            row[:] = arr[loc.offset : loc.offset + width]
+
     def read(self, location: BlockLocation) -> bytearray:
         """A copy of one block's bytes in a new buffer."""
         buf = bytearray(location.nbytes)

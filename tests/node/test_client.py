@@ -337,9 +337,12 @@ def test_tls_client(tmp_path: Path) -> None:
         pool.close()
 
 
-def test_slow_same_node_copy_renews_its_lease_and_a_lost_lease_is_typed(server) -> None:
+def test_slow_same_node_copy_renews_its_lease_and_a_lost_lease_is_typed(server, monkeypatch
+                                                                         ) -> None:
     """The lease is renewed between blocks once a third of its TTL is gone; if the node no
     longer knows the lease, the read fails with LeaseExpired instead of trusting the bytes."""
+    import kvstore.node.client as client_module
+
     srv, pool = server
     grpc_addr, _ = srv.addresses
     client = StoreNodeClient(grpc_addr, shm_path=pool.path, same_node=True, config=FAST,
@@ -350,22 +353,23 @@ def test_slow_same_node_copy_renews_its_lease_and_a_lost_lease_is_typed(server) 
     reader = client._reader()
     renewals: list[str] = []
     real_copy, real_renew = reader.copy_verified_into, client.renew
-    real_copy_into = reader.copy_into
+    real_gather = reader.gather_into
 
     def slow_copy(*args, **kwargs):
         time.sleep(0.12)
         return real_copy(*args, **kwargs)
 
-    def slow_copy_into(*args, **kwargs):  # small blocks: copied as a batch, then verified
+    def slow_gather(*args, **kwargs):  # small blocks: gathered, then verified as a batch
         time.sleep(0.12)
-        return real_copy_into(*args, **kwargs)
+        return real_gather(*args, **kwargs)
 
     def counting_renew(lease_id: str, ttl_s: float) -> float:
         renewals.append(lease_id)
         return real_renew(lease_id, ttl_s)
 
     reader.copy_verified_into = slow_copy  # type: ignore[method-assign]
-    reader.copy_into = slow_copy_into  # type: ignore[method-assign]
+    reader.gather_into = slow_gather  # type: ignore[method-assign]
+    monkeypatch.setattr(client_module, "_GATHER_BYTES", 1)  # one block per gather
     client.renew = counting_renew  # type: ignore[method-assign]
     bufs = [bytearray(len(blocks[0])) for _ in keys]
     got = client.get_verified_into(ns, keys, tokens, bufs)
@@ -421,3 +425,62 @@ def test_small_same_node_blocks_verify_as_a_batch_with_the_per_block_verdicts(
         client.get_verified_into(ns, keys[:2], tokens[:2], [bytearray(8), bytearray(8)])
     client.close()
     writer.close()
+
+
+def test_a_finished_lease_is_released_by_the_next_read_or_soon_after(server, monkeypatch
+                                                                     ) -> None:
+    """``release_nowait`` costs no call of its own when the reader reads again: the next
+    Lease carries it. Otherwise the release thread sends it within RELEASE_DELAY_S, and a
+    Lease that fails hands its releases back to be sent."""
+    import kvstore.node.client as client_module
+
+    srv, pool = server
+    grpc_addr, _ = srv.addresses
+    client = StoreNodeClient(grpc_addr, shm_path=pool.path, same_node=True, config=FAST)
+    ns = make_namespace()
+    keys, _, blocks = make_blocks(ns, 3)
+    client.put_blocks(ns, list(zip(keys, blocks, strict=True)))
+    sent: list[str] = []
+    real_release = client.release
+
+    def counting_release(lease_id: str) -> None:
+        sent.append(lease_id)
+        real_release(lease_id)
+
+    client.release = counting_release  # type: ignore[method-assign]
+    monkeypatch.setattr(client_module, "RELEASE_DELAY_S", 0.5)
+    first = client.lease(keys[:1], 30.0)
+    client.release_nowait(first.lease_id)
+    assert pool.stats().num_leased == 1
+    second = client.lease(keys[1:2], 30.0)  # carries the first one's release
+    assert pool.stats().num_leased == 1
+    with pytest.raises(LeaseExpired):
+        srv.lease_of(first.lease_id)
+    client.release_nowait(second.lease_id)
+    assert wait_until(lambda: pool.stats().num_leased == 0, 5.0)
+    assert sent == [second.lease_id]  # the thread sent only what no read carried
+    third = client.lease(keys[2:], 30.0)
+    client.release_nowait(third.lease_id)
+    real_unary = client._unary
+
+    def failing(method, request):
+        if type(request).__name__ == "LeaseRequest":
+            raise NodeUnavailable("node went away")
+        return real_unary(method, request)
+
+    client._unary = failing  # type: ignore[method-assign]
+    with pytest.raises(NodeUnavailable):
+        client.lease(keys[:1], 30.0)
+    client._unary = real_unary  # type: ignore[method-assign]
+    assert wait_until(lambda: pool.stats().num_leased == 0, 5.0)
+    assert sent == [second.lease_id, third.lease_id]
+    client.close()
+
+
+def wait_until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()

@@ -130,3 +130,24 @@ def test_bad_locations_and_buffers_are_clear_errors(tmp_path) -> None:
                 reader.copy_into(loc, memoryview(bytes(200)))
     with pytest.raises(FileNotFoundError, match="store node"):
         ShmReader(str(tmp_path / "missing"))
+
+
+def test_gather_copies_a_batch_and_refuses_what_copy_into_refuses(remote_pool) -> None:
+    """``gather_into`` against ``copy_into`` one block at a time, and its refusals."""
+    path, locs = remote_pool
+    reader = ShmReader(path)
+    try:
+        size = locs[0].nbytes
+        same = [loc for loc in locs if loc.nbytes == size]
+        out = np.zeros((len(same), size), dtype=np.uint8)
+        reader.gather_into(same, out)
+        for row, loc in zip(out, same, strict=True):
+            one = bytearray(size)
+            reader.copy_into(loc, one)
+            assert row.tobytes() == bytes(one)
+        with pytest.raises(ValueError, match="lies outside"):
+            reader.gather_into([BlockLocation(b"", reader.size - 8, size)], out[:1])
+        with pytest.raises(ValueError, match="uint8"):
+            reader.gather_into(same, out[:1])
+    finally:
+        reader.close()
