@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -183,3 +184,40 @@ def test_make_room_sends_the_use_and_evict_reports_only_what_went(full_pool) -> 
     # blocks that were there and went, one per key given (key 0 is given twice)
     assert after - before == 3
     full_pool.release(lease.lease_id)
+
+
+def test_a_put_past_the_fill_mark_evicts_ahead_off_the_put_path(full_pool) -> None:
+    """A publish that leaves the pool past ``_EVICT_AHEAD_FILL`` wakes the evictor thread,
+    which asks for the plan down to the low watermark (``nbytes_needed`` 0, the use now) and
+    evicts it, counted as ``watermark``; below the mark nothing is asked. A reserve waiting
+    on the same lock then finds room made and asks no plan of its own."""
+    from kvstore import metrics
+
+    plan = [make_key(i) for i in range(4)]
+    node = _bare_node(full_pool, [plan])
+    node._evicting = EvictingPool(full_pool, node._make_room)
+    node._ahead_bytes = NUM_BLOCKS * BLOCK - 1  # full_pool is past it
+    node._evict_ahead = threading.Event()
+    node._stop = threading.Event()
+    node._index_fast = type("Off", (), {"client": lambda self: None})()
+    before = metrics.EVICTIONS.labels(node_id=node.node_id, cause="watermark")._value.get()
+    evictor = threading.Thread(target=node._evictor_loop, daemon=True)
+    evictor.start()
+    try:
+        node._on_publish([])  # the Put's publish: nothing to publish, but the fill is checked
+        deadline = time.monotonic() + 10
+        while full_pool.used_bytes() > (NUM_BLOCKS - 4) * BLOCK and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert full_pool.held(plan) == [False] * 4
+        asks = [c for c in node.calls if c[0] == "request_eviction"]
+        assert asks == [("request_eviction", (node.node_id, 0, NUM_BLOCKS * BLOCK))]
+        after = metrics.EVICTIONS.labels(node_id=node.node_id, cause="watermark")._value.get()
+        assert after - before == 4
+        node._on_publish([])  # below the mark now: no round
+        time.sleep(0.1)
+        assert node._evicting.reserve(make_key(500), BLOCK) is not None  # room is there
+        assert [c for c in node.calls if c[0] == "request_eviction"] == asks
+    finally:
+        node._stop.set()
+        node._evict_ahead.set()
+        evictor.join(timeout=5)
