@@ -33,6 +33,7 @@ from kvstore.config import ClientConfig, KVStoreConfig, ServerConfig
 from kvstore.constants import align_up
 from kvstore.coordinator.index_service import FastPath
 from kvstore.errors import BlockCorrupted, BlockMismatch, KVStoreError, NodeUnavailable, PoolFull
+from kvstore.gc_tuning import freeze_startup_objects
 from kvstore.index.base import IndexEntry
 from kvstore.index.factory import make_index
 from kvstore.index.packed import PackedEntries
@@ -187,6 +188,7 @@ class StoreNode:
         self._evictor = threading.Thread(target=self._evictor_loop, daemon=True,
                                          name="kvstore-evictor")
         self._evictor.start()
+        freeze_startup_objects()
 
     # -- actor methods ------------------------------------------------------------------
     def ping(self) -> NodeAddress:

@@ -18,6 +18,7 @@ from kvstore.coordinator.index_service import IndexServer
 from kvstore.coordinator.liveness import NodeStatus, Reaper
 from kvstore.coordinator.messages import HeartbeatReply
 from kvstore.coordinator.workers import WorkerTable
+from kvstore.gc_tuning import freeze_startup_objects
 from kvstore.index.base import IndexEntry
 from kvstore.node.wire import bind_node_ip
 
@@ -46,6 +47,7 @@ class Coordinator:
             self._index_server = IndexServer(self._core, bind_node_ip(
                 config.server, ray.util.get_node_ip_address()), cfg.index_port)
             self._index_server.start()
+        freeze_startup_objects()
 
     def index_address(self) -> str | None:
         """Where readers and store nodes reach the gRPC index service (None: it is off)."""
