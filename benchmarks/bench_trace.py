@@ -60,6 +60,7 @@ from kvstore.block import block_nbytes
 from kvstore.config import KVStoreConfig, load_config
 from kvstore.constants import align_up
 from kvstore.errors import KVStoreError
+from kvstore.gc_tuning import freeze_startup_objects
 from kvstore.keys import Namespace
 
 #: 64 tokens x 1 layer x (K, V) x 1 head x 8 dims x float16 = 2 KiB of payload per block.
@@ -121,6 +122,9 @@ def replay_client(address: str, config: KVStoreConfig, trace: str, limit: int, c
     expander = TraceExpander(NS)
     mine = [(r.timestamp_ms / 1000.0, expander.expand(r)) for r in requests]
     store.lookup_prefix(NS, mine[0][1].keys[:1])  # first connections outside the timing
+    # Started, as a serving process is once loaded: the start-up objects leave the garbage
+    # collector's walks (kvstore.gc_tuning; the store node and coordinator do the same).
+    freeze_startup_objects()
     ready.put(client)
     while start_at.value == 0.0:
         time.sleep(0.005)
