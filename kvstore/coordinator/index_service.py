@@ -21,7 +21,6 @@ from __future__ import annotations
 import threading
 from array import array
 from collections.abc import Sequence
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -29,10 +28,10 @@ import grpc
 from kvstore.api import PrefixHit
 from kvstore.config import ClientConfig, ServerConfig
 from kvstore.constants import KEY_NBYTES
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.errors import KVStoreError
 from kvstore.index.base import IndexEntry
 from kvstore.index.packed import unpack_entries
-from kvstore.node.wire import AUTH_HEADER, AuthInterceptor, error_from_rpc, grpc_options
+from kvstore.node.wire import AUTH_HEADER, error_from_rpc, open_channel, start_grpc_server
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 
@@ -138,25 +137,11 @@ class IndexServer:
     def start(self) -> str:
         """Bind and serve; returns the ``host:port`` callers dial."""
         cfg = self._config
-        interceptors = [AuthInterceptor(cfg.auth_token)] if cfg.auth_token else []
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8,
-                                                        thread_name_prefix="kvstore-index"),
-                             interceptors=interceptors, options=grpc_options(MAX_MESSAGE_BYTES))
-        pb_grpc.add_CoordinatorIndexServicer_to_server(_Servicer(self._core), server)
-        bind = f"{cfg.host}:{self._port}"
-        if cfg.tls_cert_file and cfg.tls_key_file:
-            with open(cfg.tls_key_file, "rb") as f:
-                key = f.read()
-            with open(cfg.tls_cert_file, "rb") as f:
-                cert = f.read()
-            port = server.add_secure_port(bind, grpc.ssl_server_credentials([(key, cert)]))
-        else:
-            port = server.add_insecure_port(bind)
-        if port == 0:
-            raise ConfigError(f"cannot bind the coordinator's index service to {bind}; "
-                              "pick a free coordinator.index_port")
-        server.start()
-        self._server = server
+        self._server, port = start_grpc_server(
+            cfg, self._port, lambda server: pb_grpc.add_CoordinatorIndexServicer_to_server(
+                _Servicer(self._core), server),
+            max_workers=8, thread_prefix="kvstore-index", max_message_bytes=MAX_MESSAGE_BYTES,
+            what="coordinator.index_port")
         self.address = f"{cfg.advertise_host or cfg.host}:{port}"
         return self.address
 
@@ -174,13 +159,7 @@ class IndexClient:
         cfg = config or ClientConfig()
         self.address = address
         self._timeout = cfg.timeout_s
-        options = grpc_options(MAX_MESSAGE_BYTES)
-        if cfg.tls_ca_file:
-            with open(cfg.tls_ca_file, "rb") as f:
-                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
-            self._channel = grpc.secure_channel(address, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(address, options=options)
+        self._channel = open_channel(address, cfg, MAX_MESSAGE_BYTES)
         self._stub = pb_grpc.CoordinatorIndexStub(self._channel)
         self._metadata = ((AUTH_HEADER, f"Bearer {cfg.auth_token}"),) if cfg.auth_token else None
 

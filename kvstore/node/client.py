@@ -37,7 +37,7 @@ from kvstore.node.put_wire import BATCH_BYTES, UNARY_PUT_BYTES, encode_put_batch
 from kvstore.node.wire import (
     AUTH_HEADER,
     error_from_rpc,
-    grpc_options,
+    open_channel,
     spec_from_namespace,
     tally_to_proto,
 )
@@ -110,15 +110,8 @@ class StoreNodeClient:
         self.shm_path = shm_path
         self.lease_ttl_s = lease_ttl_s
         cfg = self.config
-        options: list[tuple[str, Any]] = list(grpc_options(cfg.max_message_bytes))
-        if cfg.tls_ca_file:
-            with open(cfg.tls_ca_file, "rb") as f:
-                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
-            if tls_server_name:
-                options.append(("grpc.ssl_target_name_override", tls_server_name))
-            self._channel = grpc.secure_channel(grpc_address, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(grpc_address, options=options)
+        self._channel = open_channel(grpc_address, cfg, cfg.max_message_bytes,
+                                     tls_server_name)
         self._stub = pb_grpc.StoreNodeStub(self._channel)
         # PutBatch with the request already serialized (``encode_put_batch``).
         self._put_batch = self._channel.unary_unary(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
@@ -24,7 +23,6 @@ from kvstore.config import ServerConfig
 from kvstore.errors import (
     BlockCorrupted,
     BlockNotFound,
-    ConfigError,
     KVStoreError,
     LeaseExpired,
 )
@@ -33,11 +31,7 @@ from kvstore.node.bulk import BulkServer
 from kvstore.node.pool import ServedPool
 from kvstore.node.publisher import CoalescingPublisher
 from kvstore.node.put_path import PutPath, abort_with, check_keys
-from kvstore.node.wire import (
-    AuthInterceptor,
-    grpc_options,
-    tally_from_proto,
-)
+from kvstore.node.wire import start_grpc_server, tally_from_proto
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 
@@ -226,26 +220,11 @@ class StoreServer:
     def start(self) -> tuple[int, int | None]:
         """Bind and serve; returns ``(grpc_port, bulk_port)`` (bulk_port None if disabled)."""
         cfg = self.config
-        interceptors = [AuthInterceptor(cfg.auth_token)] if cfg.auth_token else []
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.max_workers,
-                                       thread_name_prefix=f"kvstore-grpc-{self.node_id}"),
-            interceptors=interceptors, options=grpc_options(cfg.max_message_bytes),
-        )
-        pb_grpc.add_StoreNodeServicer_to_server(_Servicer(self), server)
-        bind = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert_file and cfg.tls_key_file:
-            with open(cfg.tls_key_file, "rb") as f:
-                key = f.read()
-            with open(cfg.tls_cert_file, "rb") as f:
-                cert = f.read()
-            port = server.add_secure_port(bind, grpc.ssl_server_credentials([(key, cert)]))
-        else:
-            port = server.add_insecure_port(bind)
-        if port == 0:
-            raise ConfigError(f"cannot bind the gRPC server to {bind}; pick a free server.port")
-        server.start()
-        self._grpc = server
+        self._grpc, port = start_grpc_server(
+            cfg, cfg.port, lambda server: pb_grpc.add_StoreNodeServicer_to_server(
+                _Servicer(self), server),
+            max_workers=cfg.max_workers, thread_prefix=f"kvstore-grpc-{self.node_id}",
+            max_message_bytes=cfg.max_message_bytes, what="server.port")
         bulk_port = self._bulk.start() if self._bulk is not None else None
         self._ports = (port, bulk_port)
         return self._ports

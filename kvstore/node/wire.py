@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import hmac
 from collections.abc import Callable
+from concurrent import futures
 from typing import Any
 
 import grpc
 
-from kvstore.config import ServerConfig
+from kvstore.config import ClientConfig, ServerConfig
 from kvstore.errors import (
     BlockCorrupted,
     BlockMismatch,
@@ -93,6 +94,45 @@ def bind_node_ip(config: ServerConfig, ip: str) -> ServerConfig:
     """Bind the node's IP (not loopback) so other nodes can reach it; advertise that IP."""
     host = ip if config.host in LOCAL_HOSTS else config.host
     return dataclasses.replace(config, host=host, advertise_host=config.advertise_host or ip)
+
+
+def start_grpc_server(config: ServerConfig, port: int, add_servicer: Callable[[grpc.Server], None],
+                      *, max_workers: int, thread_prefix: str, max_message_bytes: int,
+                      what: str) -> tuple[grpc.Server, int]:
+    """A started gRPC server on ``config.host:port`` with ``config``'s token check and TLS
+    (the store node's and the coordinator's index service alike); returns it and its port.
+    ``what`` names the setting to change when the port is taken."""
+    interceptors = [AuthInterceptor(config.auth_token)] if config.auth_token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                    thread_name_prefix=thread_prefix),
+                         interceptors=interceptors, options=grpc_options(max_message_bytes))
+    add_servicer(server)
+    bind = f"{config.host}:{port}"
+    if config.tls_cert_file and config.tls_key_file:
+        with open(config.tls_key_file, "rb") as f:
+            key = f.read()
+        with open(config.tls_cert_file, "rb") as f:
+            cert = f.read()
+        bound = server.add_secure_port(bind, grpc.ssl_server_credentials([(key, cert)]))
+    else:
+        bound = server.add_insecure_port(bind)
+    if bound == 0:
+        raise ConfigError(f"cannot bind {bind}; pick a free {what}")
+    server.start()
+    return server, bound
+
+
+def open_channel(address: str, config: ClientConfig, max_message_bytes: int,
+                 tls_server_name: str | None = None) -> grpc.Channel:
+    """A channel to a kvstore gRPC server: TLS when ``config.tls_ca_file`` is set."""
+    options: list[tuple[str, Any]] = list(grpc_options(max_message_bytes))
+    if not config.tls_ca_file:
+        return grpc.insecure_channel(address, options=options)
+    with open(config.tls_ca_file, "rb") as f:
+        creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+    if tls_server_name:
+        options.append(("grpc.ssl_target_name_override", tls_server_name))
+    return grpc.secure_channel(address, creds, options=options)
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
