@@ -30,6 +30,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -225,8 +226,8 @@ class LRUTable:
             self.used_at[new] = 0.0
         newly = self.sets.hold(node, slots)
         self.nbytes[slots] = np.asarray(nbytes, dtype=np.int64)
-        packed_parents = _pack(parents if all(parents) else
-                               [p if p else bytes(KEY_NBYTES) for p in parents])
+        packed_parents = _pack([p if p else bytes(KEY_NBYTES) for p in parents]
+                               if not all(parents) else parents)  # type: ignore[arg-type]
         self.parent[slots] = packed_parents
         self.last_use[slots] = self._tick(len(keys))
         self.used_at[slots] = np.maximum(self.used_at[slots], now)
@@ -245,9 +246,10 @@ class LRUTable:
                       roots: Sequence[bytes | None] | None) -> None:
         if roots is not None and all(roots):  # the index always knows: no inference needed
             # one id per distinct root, new ones numbered in order of first appearance
-            ids = {r: self._root_id(r) for r in dict.fromkeys(roots)}  # type: ignore[misc]
-            self.root[slots] = (ids[roots[0]] if len(ids) == 1
-                                else list(map(ids.__getitem__, roots)))
+            known = cast(list[bytes], list(roots))
+            ids = {r: self._root_id(r) for r in dict.fromkeys(known)}
+            self.root[slots] = (ids[known[0]] if len(ids) == 1
+                                else list(map(ids.__getitem__, known)))
             return
         pslots = self._find(packed_parents)[0]
         in_batch: dict[bytes, int] = {}
