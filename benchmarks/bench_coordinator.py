@@ -15,6 +15,7 @@ every request's path. Also the Ray actor round trip of an empty call and of a he
 from __future__ import annotations
 
 import gc
+import os
 import time
 import tracemalloc
 from collections import OrderedDict
@@ -119,8 +120,11 @@ def bench_ordereddict(keys: list[bytes], batches: list[list[bytes]]) -> float:
 def bench_ray(keys: list[bytes], repeats: int) -> dict[str, float]:
     import ray
 
+    from kvstore.cluster.address import auth_mode_for_private_ray
     from kvstore.coordinator.actor import Coordinator
 
+    # a private instance: its auth mode decided here, as kvstore decides it (no warning)
+    os.environ.setdefault("RAY_AUTH_MODE", auth_mode_for_private_ray())
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         # Any: the actor handle's methods are typed as the plain class's, without .remote.

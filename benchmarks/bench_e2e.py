@@ -20,7 +20,6 @@ replica and a cache warm-up of the system prompt before the timed run.
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -56,10 +55,8 @@ def open_store(kind: str) -> tuple[KVStore, Callable[[], None]]:
     import ray
 
     from kvstore.cluster import lifecycle
-    from kvstore.cluster.names import RAY_NAMESPACE
 
-    ray.init(address="local", namespace=RAY_NAMESPACE, include_dashboard=False,
-             logging_level=logging.WARNING, log_to_driver=False)
+    lifecycle.ensure_ray("local")  # a private instance, its auth mode decided (no warning)
     config = KVStoreConfig()
     lifecycle.start(config)
     store = lifecycle.connect(config)
