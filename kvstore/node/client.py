@@ -14,14 +14,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
-from kvstore.block import block_nbytes, verify_block
-from kvstore.block_batch import verify_blocks
+from kvstore.block import verify_block
 from kvstore.config import ClientConfig
 from kvstore.errors import (
     BlockCorrupted,
@@ -34,6 +32,8 @@ from kvstore.keys import Namespace
 from kvstore.node.bulk import BulkClient
 from kvstore.node.pool import BlockLocation
 from kvstore.node.put_wire import BATCH_BYTES, UNARY_PUT_BYTES, encode_put_batch, put_messages
+from kvstore.node.replies import HeldBlock, LeaseInfo, NodeHealth, NodeStats, PutResult
+from kvstore.node.shm_reader import copy_then_verify, detached, is_small_batch
 from kvstore.node.wire import (
     AUTH_HEADER,
     error_from_rpc,
@@ -47,52 +47,6 @@ from protos import kvstore_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 Buffer = bytearray | memoryview | Any  # anything ShmReader / recv_into can write into
-
-@dataclass(slots=True)
-class LeaseInfo:
-    """A lease a node granted: where the blocks lie in its arena file, until when."""
-
-    lease_id: str
-    locations: list[BlockLocation]
-    missing: list[bytes]
-    expires_at: float
-    shm_path: str
-
-
-@dataclass(slots=True)
-class PutResult:
-    num_stored: int
-    num_existing: int
-
-
-@dataclass(slots=True)
-class NodeStats:
-    node_id: str
-    capacity_bytes: int
-    used_bytes: int
-    num_blocks: int
-    num_leased: int
-    num_pinned: int
-
-
-@dataclass(slots=True)
-class NodeHealth:
-    node_id: str
-    serving: bool
-    grpc_address: str
-    bulk_address: str | None
-    shm_path: str
-
-
-@dataclass(slots=True)
-class HeldBlock:
-    """A block a node holds, with what the index needs to re-announce it."""
-
-    key: bytes
-    nbytes: int
-    parent_key: bytes
-    namespace_root: bytes
-
 
 class StoreNodeClient:
     """Talks to one store node; thread-safe (gRPC channels and the bulk pool are)."""
@@ -332,9 +286,9 @@ class StoreNodeClient:
             reader = self._reader()
             where = {loc.key: loc for loc in lease.locations}
             out: list[Any] = []
-            if namespace is not None and _small_blocks(where, namespace):
-                out = _copy_then_verify(reader, where, keys, buffers, namespace, token_ids,
-                                        keep_alive)
+            if namespace is not None and is_small_batch(where, namespace):
+                out = copy_then_verify(reader, where, keys, buffers, namespace, token_ids,
+                                       keep_alive)
             else:
                 for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
                     keep_alive()
@@ -348,7 +302,7 @@ class StoreNodeClient:
                         try:
                             reader.copy_verified_into(loc, buf, namespace, tokens)
                         except (BlockCorrupted, BlockMismatch) as exc:
-                            out.append(_detached(exc))
+                            out.append(detached(exc))
                             continue
                         out.append(loc.nbytes)
             if time.monotonic() - granted[0] >= self.lease_ttl_s:  # stalled past the TTL
@@ -513,59 +467,3 @@ def _byte_view(buf: Buffer) -> memoryview:
 
 #: How long a finished lease waits for the reader's next ``lease`` to carry its release.
 RELEASE_DELAY_S = 0.02
-
-#: Blocks up to this size are fetched from a same-node arena a batch at a time: copied out,
-#: then verified in array passes (``verify_blocks``). Per block the one-pass copy-and-hash
-#: costs ~15 us of Python for a 2.7 KiB block, more than its bytes; past this size the bytes
-#: dominate and copying while hashing keeps each piece cache-hot.
-SMALL_BLOCK_BYTES = 256 << 10
-#: Bytes gathered between two looks at the lease's age.
-_GATHER_BYTES = 4 << 20
-
-
-def _small_blocks(where: dict[bytes, BlockLocation], namespace: Namespace) -> bool:
-    nbytes = block_nbytes(namespace)
-    return nbytes <= SMALL_BLOCK_BYTES and len(where) > 1 \
-        and all(loc.nbytes == nbytes for loc in where.values())
-
-
-def _copy_then_verify(reader: Any, where: dict[bytes, BlockLocation], keys: list[bytes],
-                      buffers: Sequence[Buffer], namespace: Namespace,
-                      token_ids: Sequence[Any] | None, keep_alive: Callable[[], None]
-                      ) -> list[Any]:
-    """``_shm_get_into``'s verdicts for a batch of small blocks: each leased block copied into
-    one staging array, the batch verified at once, the good ones copied to their buffers."""
-    from kvstore.node.shm_reader import as_uint8_array
-
-    present = [i for i, k in enumerate(keys) if k in where]
-    nbytes = block_nbytes(namespace)
-    stage = np.empty((len(present), nbytes), dtype=np.uint8)
-    step = max(1, _GATHER_BYTES // nbytes)
-    for lo in range(0, len(present), step):
-        keep_alive()  # the lease outlives the copy (renewed once a third of it is gone)
-        reader.gather_into([where[keys[i]] for i in present[lo : lo + step]],
-                           stage[lo : lo + step])
-    verdicts = verify_blocks(stage, namespace, [keys[i] for i in present],
-                             None if token_ids is None else [token_ids[i] for i in present])
-    out: list[Any] = [None] * len(keys)
-    for row, i, verdict in zip(stage, present, verdicts, strict=True):
-        if isinstance(verdict, (BlockCorrupted, BlockMismatch)):
-            out[i] = _detached(verdict)
-        elif isinstance(verdict, Exception):
-            raise verdict
-        else:
-            dst = as_uint8_array(buffers[i])
-            if dst.size < nbytes:
-                raise ValueError(f"destination of {dst.size} bytes is too small for a "
-                                 f"{nbytes}-byte block")
-            dst[:nbytes] = row
-            out[i] = nbytes
-    return out
-
-
-def _detached(exc: BaseException) -> BaseException:
-    """``exc`` without its traceback, cause or context: their frames (and, through
-    ``f_back``, their callers') hold views of the mapped arena, which would keep the mapping
-    from ever closing while the caller keeps the verdict."""
-    exc.__cause__ = exc.__context__ = None
-    return exc.with_traceback(None)

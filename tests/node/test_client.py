@@ -341,7 +341,7 @@ def test_slow_same_node_copy_renews_its_lease_and_a_lost_lease_is_typed(server, 
                                                                          ) -> None:
     """The lease is renewed between blocks once a third of its TTL is gone; if the node no
     longer knows the lease, the read fails with LeaseExpired instead of trusting the bytes."""
-    import kvstore.node.client as client_module
+    import kvstore.node.shm_reader as shm_reader_module
 
     srv, pool = server
     grpc_addr, _ = srv.addresses
@@ -369,7 +369,7 @@ def test_slow_same_node_copy_renews_its_lease_and_a_lost_lease_is_typed(server, 
 
     reader.copy_verified_into = slow_copy  # type: ignore[method-assign]
     reader.gather_into = slow_gather  # type: ignore[method-assign]
-    monkeypatch.setattr(client_module, "_GATHER_BYTES", 1)  # one block per gather
+    monkeypatch.setattr(shm_reader_module, "GATHER_BYTES", 1)  # one block per gather
     client.renew = counting_renew  # type: ignore[method-assign]
     bufs = [bytearray(len(blocks[0])) for _ in keys]
     got = client.get_verified_into(ns, keys, tokens, bufs)
@@ -390,7 +390,7 @@ def test_small_same_node_blocks_verify_as_a_batch_with_the_per_block_verdicts(
     """Small blocks are copied out of the arena and verified a batch at a time: every verdict
     (good, damaged payload, damaged header, wrong tokens, absent) and every byte handed out
     equals the one-pass per-block path's, which the test forces as the reference."""
-    import kvstore.node.client as client_module
+    import kvstore.node.shm_reader as shm_reader_module
 
     srv, pool = server
     grpc_addr, _ = srv.addresses
@@ -409,8 +409,8 @@ def test_small_same_node_blocks_verify_as_a_batch_with_the_per_block_verdicts(
     wanted = list(tokens)
     wanted[4] = [t + 1 for t in tokens[4]]  # the reader asked for other tokens
     results = []
-    for small in (0, client_module.SMALL_BLOCK_BYTES):  # 0: one block at a time
-        monkeypatch.setattr(client_module, "SMALL_BLOCK_BYTES", small)
+    for small in (0, shm_reader_module.SMALL_BLOCK_BYTES):  # 0: one block at a time
+        monkeypatch.setattr(shm_reader_module, "SMALL_BLOCK_BYTES", small)
         bufs = [bytearray(len(blocks[0])) for _ in asked]
         got = client.get_verified_into(ns, asked, wanted, bufs)
         results.append(([(type(v), str(v)) if isinstance(v, Exception) else v for v in got],
