@@ -17,8 +17,7 @@ import ray
 
 from kvstore.api import PrefixHit
 from kvstore.config import ClientConfig
-from kvstore.coordinator.index_service import FastPath
-from kvstore.errors import KVStoreError
+from kvstore.coordinator.index_service import FastPath, NoAnswer
 from kvstore.index.base import IndexEntry, InProcessMarker, KeyInfo
 from kvstore.index.checks import check_keys
 
@@ -43,23 +42,19 @@ class CoordinatorIndex(InProcessMarker):
     def lookup_prefix(self, keys: Sequence[bytes]) -> PrefixHit:
         """Leading keys with a holder."""
         check_keys(keys)
-        client = self._fast.client() if self._fast is not None else None
-        if client is not None:
-            try:
-                return client.lookup_prefix(keys)
-            except KVStoreError:  # restarted or unreachable: the actor answers this one
-                self._fast.failed(client)  # type: ignore[union-attr]
+        if self._fast is not None:
+            hit = self._fast.attempt(lambda c: c.lookup_prefix(keys))
+            if not isinstance(hit, NoAnswer):
+                return hit
         return ray.get(self.handle.lookup_prefix.remote(list(keys)))
 
     def holders(self, keys: Sequence[bytes]) -> list[list[str]]:
         """Holders per key."""
         check_keys(keys)
-        client = self._fast.client() if self._fast is not None else None
-        if client is not None:
-            try:
-                return client.holders(keys)
-            except KVStoreError:
-                self._fast.failed(client)  # type: ignore[union-attr]
+        if self._fast is not None:
+            holders = self._fast.attempt(lambda c: c.holders(keys))
+            if not isinstance(holders, NoAnswer):
+                return holders
         return ray.get(self.handle.holders.remote(list(keys)))
 
     def info(self, keys: Sequence[bytes]) -> list[KeyInfo | None]:

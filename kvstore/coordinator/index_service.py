@@ -19,9 +19,10 @@ files); ``coordinator.index_port: null`` turns it off and every caller uses the 
 from __future__ import annotations
 
 import threading
+import time
 from array import array
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
@@ -184,18 +185,24 @@ class IndexClient:
             raise error_from_rpc(exc, f"coordinator index {self.address}") from None
 
 
+class NoAnswer:
+    """``FastPath.attempt``'s "ask the actor" (a type of its own: ``None`` is an answer)."""
+
+
+NO_ANSWER = NoAnswer()
+T = TypeVar("T")
+
+
 class FastPath:
     """Which ``IndexClient`` to use, if any: the address comes from ``resolve`` (an actor call
     to ``Coordinator.index_address``; None when the service is off), asked on first use and
     again after a failure (a restarted coordinator listens on a new port), at most once per
     ``retry_s``; in between, and when there is none, callers use the actor."""
 
-    def __init__(self, resolve: Any, config: ClientConfig | None = None, *,
-                 retry_s: float = 5.0, clock: Any = None) -> None:
-        import time
-
+    def __init__(self, resolve: Callable[[], str | None], config: ClientConfig | None = None, *,
+                 retry_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._resolve, self._config, self._retry_s = resolve, config, retry_s
-        self._clock = clock or time.monotonic
+        self._clock = clock
         self._client: IndexClient | None = None
         self._next_try = 0.0
         self._lock = threading.Lock()
@@ -211,6 +218,18 @@ class FastPath:
                 if address:
                     self._client = IndexClient(address, self._config)
             return self._client
+
+    def attempt(self, use: Callable[[IndexClient], T]) -> T | NoAnswer:
+        """``use(client)``, or ``NO_ANSWER`` when there is no client or it failed (then it is
+        dropped): the caller asks the actor instead."""
+        client = self.client()
+        if client is None:
+            return NO_ANSWER
+        try:
+            return use(client)
+        except KVStoreError:  # restarted or unreachable: the actor answers this one
+            self.failed(client)
+            return NO_ANSWER
 
     def failed(self, client: IndexClient) -> None:
         """``client`` could not be reached: drop it; the next try resolves again."""

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from kvstore.cluster.store_node import EvictingPool
+from kvstore.coordinator.index_service import FastPath
 from kvstore.errors import PoolFull
 from kvstore.node.pool import BlockPool
 
@@ -199,7 +200,7 @@ def test_a_put_past_the_fill_mark_evicts_ahead_off_the_put_path(full_pool) -> No
     node._ahead_bytes = NUM_BLOCKS * BLOCK - 1  # full_pool is past it
     node._evict_ahead = threading.Event()
     node._stop = threading.Event()
-    node._index_fast = type("Off", (), {"client": lambda self: None})()
+    node._index_fast = FastPath(lambda: None)  # no index service: publishes go to the actor
     before = metrics.EVICTIONS.labels(node_id=node.node_id, cause="watermark")._value.get()
     evictor = threading.Thread(target=node._evictor_loop, daemon=True)
     evictor.start()

@@ -14,6 +14,7 @@ from kvstore.api import NodeAddress
 from kvstore.config import ClientConfig, CoordinatorConfig, KVStoreConfig, ServerConfig
 from kvstore.coordinator.core import CoordinatorCore
 from kvstore.coordinator.index_service import (
+    NO_ANSWER,
     FastPath,
     IndexClient,
     IndexServer,
@@ -133,6 +134,16 @@ def test_fast_path_resolves_once_and_again_after_a_failure(served) -> None:
     assert fast.client() is not None and len(asked) == 3
     off = FastPath(lambda: None, FAST)
     assert off.client() is None  # the service is off: callers use the actor
+    assert off.attempt(lambda c: c.lookup_prefix([])) is NO_ANSWER
+    clock.now += 5
+    working = fast.client()
+    assert fast.attempt(lambda c: c.holders(make_chain(1, "none"))) == [[]]
+
+    def unreachable(client: IndexClient) -> None:
+        raise NodeUnavailable("gone")
+
+    assert fast.attempt(unreachable) is NO_ANSWER  # and the client is dropped
+    assert fast.client() is not working
 
     def broken() -> str:
         raise RuntimeError("actor restarting")
