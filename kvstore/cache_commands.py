@@ -78,7 +78,8 @@ def add_prompt_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, help="tokens per block (default: worker.block_size)")
     p.add_argument("--salt", help="the tenant's cache salt (default: worker.cache_salt)")
     p.add_argument("--tokenizer", metavar="PATH",
-                   help="local tokenizer directory, as the workers (default: bytes)")
+                   help="local tokenizer directory, as the workers (default: the model "
+                   "directory's own; bytes for a preset)")
 
 
 def prompt_keys(args: argparse.Namespace) -> tuple[list[bytes], str]:
@@ -99,7 +100,8 @@ def prompt_keys(args: argparse.Namespace) -> tuple[list[bytes], str]:
         worker_namespace,
     )
 
-    prompts = read_prompt_tokens(args.prompts, args.text, args.tokenizer)
+    prompts = read_prompt_tokens(args.prompts, args.text, args.tokenizer,
+                                 config.worker.model)
     ns = worker_namespace(config)
     blocks = prompt_blocks(ns, prompts)
     lines = [f"namespace {ns.root.hex()} ({config.worker.model}, {ns.dtype}, "
@@ -272,7 +274,8 @@ def register(sub: Any) -> None:
                    help="evict exactly these prompts' blocks (with --model), not a namespace")
     g.add_argument("--text", help="evict exactly this prompt's blocks (with --model)")
     p.add_argument("--tokenizer", metavar="PATH",
-                   help="local tokenizer directory, as the workers (default: bytes)")
+                   help="local tokenizer directory, as the workers (default: the model "
+                   "directory's own; bytes for a preset)")
     p.add_argument("--namespace", metavar="ROOTHEX",
                    help="the namespace root (64 hex digits, as `kvstore ls` prints)")
     p.add_argument("--model", help="the workers' model (preset or weights directory): its "

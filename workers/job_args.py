@@ -27,7 +27,8 @@ def _lazy(name: str) -> Callable[[argparse.Namespace], int]:
 def _common(p: argparse.ArgumentParser, *, prompts: bool = True) -> None:
     if prompts:
         p.add_argument("--prompts", metavar="FILE.jsonl", required=True,
-                       help='one request a line: {"id": ..., "token_ids": [...]} or "text"')
+                       help='one request a line: {"id": ..., "token_ids": [...]}, "text" '
+                       'or "messages": [{"role": ..., "content": ...}]')
     p.add_argument("--config", metavar="FILE", help="YAML settings; must exist if given")
     p.add_argument("--address", metavar="RAY_ADDRESS",
                    help="Ray cluster to use (default: RAY_ADDRESS, else an embedded one)")
@@ -42,13 +43,18 @@ def _common(p: argparse.ArgumentParser, *, prompts: bool = True) -> None:
                    help="tokens to generate per request (default: worker.max_new_tokens); "
                    "0: prefill and publish only, a cache warm-up")
     p.add_argument("--stop-token-ids", type=int, nargs="*", default=[], metavar="ID",
-                   help="token ids that end a request's generation")
+                   help="token ids that end a request's generation (besides the "
+                   "checkpoint's end-of-sequence tokens)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the end-of-sequence tokens of the checkpoint's "
+                   "generation_config; only --stop-token-ids")
     p.add_argument("--block-size", type=int,
                    help="tokens per cached block (default: worker.block_size, 16)")
     p.add_argument("--chunk-tokens", type=int, help="prefill chunk (a multiple of block size)")
     p.add_argument("--salt", help="tenant cache salt")
     p.add_argument("--threads", type=int, help="torch threads per replica")
-    p.add_argument("--tokenizer", metavar="PATH", help="local tokenizer dir (default: bytes)")
+    p.add_argument("--tokenizer", metavar="PATH", help="local tokenizer dir (default: the --model "
+                   "directory's own; bytes for presets)")
     p.add_argument("--json", action="store_true", help="JSON lines on stdout")
     p.add_argument("--output", metavar="PATH", help="write results as JSONL")
 

@@ -25,9 +25,11 @@ from kvstore.config import KVStoreConfig, load_config
 from kvstore.errors import ConfigError
 from workers.engine import SamplingParams
 from workers.job_args import register  # noqa: F401  (the parser: torch-free)
+from workers.model import generation_stop_ids
+from workers.prompts import read_prompts  # noqa: F401  (workers.prompt_keys imports it here)
 from workers.scheduler import JobKind
 from workers.serving import Deployment, RequestOutput, parse_resource
-from workers.tokenizer import Tokenizer, load_tokenizer
+from workers.tokenizer import ByteTokenizer, tokenizer_for
 
 err = Console(stderr=True)
 
@@ -44,37 +46,14 @@ def make_config(args: argparse.Namespace) -> KVStoreConfig:
 
 
 def make_sampling(args: argparse.Namespace, config: KVStoreConfig) -> SamplingParams:
+    """The request's sampling; it stops at the checkpoint's end-of-sequence tokens (its
+    ``generation_config``) and ``--stop-token-ids``, or only the latter with ``--ignore-eos``."""
+    stop = tuple(args.stop_token_ids)
+    if not getattr(args, "ignore_eos", False):
+        stop += tuple(t for t in generation_stop_ids(config.worker.model) if t not in stop)
     return SamplingParams(max_new_tokens=config.worker.max_new_tokens,
                           temperature=args.temperature, sampling_seed=args.sampling_seed,
-                          stop_token_ids=tuple(args.stop_token_ids))
-
-
-def read_prompts(path: str, tokenizer: Tokenizer) -> list[tuple[str, list[int]]]:
-    """``(id, token_ids)`` per line; the line number is in every error."""
-    out = []
-    try:
-        lines = Path(path).read_text().splitlines()
-    except OSError as exc:
-        raise ConfigError(f"cannot read --prompts {path}: {exc}") from exc
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path}:{n}: not JSON ({exc.msg})") from None
-        if not isinstance(obj, dict) or ("token_ids" in obj) == ("text" in obj):
-            raise ConfigError(f"{path}:{n}: give exactly one of 'token_ids' or 'text'")
-        if "text" in obj:
-            ids = tokenizer.encode(str(obj["text"]))
-        else:
-            ids = obj["token_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                raise ConfigError(f"{path}:{n}: 'token_ids' must be a list of ints")
-        out.append((str(obj.get("id", n)), ids))
-    if not out:
-        raise ConfigError(f"--prompts {path} has no requests")
-    return out
+                          stop_token_ids=stop)
 
 
 def check_output(path: str | None) -> None:
@@ -134,7 +113,7 @@ def _resource(spec: str | None) -> dict[str, float] | None:
 def _run(args: argparse.Namespace, kind: JobKind) -> int:
     check_output(args.output)  # before the models load and the compute runs
     config = make_config(args)
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = tokenizer_for(config.worker.model, args.tokenizer)
     prompts = read_prompts(args.prompts, tokenizer)
     sampling = make_sampling(args, config)
     dep = Deployment(config, num_prefill=getattr(args, "prefill_replicas", 1),
@@ -151,7 +130,7 @@ def _run(args: argparse.Namespace, kind: JobKind) -> int:
         reuse = dep.reuse
     finally:
         dep.close()
-    if args.tokenizer:
+    if not isinstance(tokenizer, ByteTokenizer):  # a real tokenizer: its text is meaningful
         for out in results:
             out.text = tokenizer.decode(out.output_token_ids)
     emit(args, results, f"kvstore {kind} (reuse {reuse['mode']}: resume at {reuse['resume']} "

@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+from transformers.cache_utils import DynamicLayer
 
 from kvstore.errors import ConfigError
 from kvstore.keys import DTYPES, Namespace
@@ -95,9 +102,50 @@ class CausalLM:
         if getattr(cfg, "sliding_window", None):
             raise ConfigError(f"model {name!r} uses sliding-window attention; kvstore blocks "
                               "need full attention (use a Llama-style model without it)")
+        other = sorted({str(t) for t in getattr(cfg, "layer_types", None) or ()}
+                       - {"full_attention"})
+        if other:
+            raise ConfigError(f"model {name!r} has layers of type {', '.join(other)} "
+                              "(config layer_types); kvstore blocks need full attention in "
+                              "every layer")
+        self._check_cache_layout()
         # Computed once at load: hashing the weights is the costly part of the fingerprint.
         self.fingerprint = hashlib.sha256(
             (config_digest(cfg) + weights_digest(model)).encode()).hexdigest()
+
+    def _check_cache_layout(self) -> None:
+        """Refuse a model whose cache is not one plain ``[1, H, T, D]`` K and V per layer.
+
+        Blocks are exported and rebuilt in that layout; a model whose cache differs (sliding or
+        chunked layers, latent attention with other K and V head dims, shared or missing
+        layers) would be served wrong KV without any error. One token on an empty cache shows
+        the layout structurally, whatever the config claims.
+        """
+        cache = self.new_cache()
+        self.forward([0], cache)
+        s = self.shape
+        want = (1, s.num_kv_heads, 1, s.head_dim)
+
+        def refuse(what: str) -> ConfigError:
+            return ConfigError(f"model {self.name!r} cannot be served exactly: {what}; "
+                               "kvstore blocks need one full-attention K and V "
+                               f"{list(want)} per layer")
+
+        if len(cache.layers) != s.num_layers:
+            raise refuse(f"its cache has {len(cache.layers)} layers, the config "
+                         f"{s.num_layers}")
+        for i, lay in enumerate(cache.layers):
+            if type(lay) is not DynamicLayer:
+                raise refuse(f"layer {i} caches as {type(lay).__name__}, not full attention")
+            keys, values = getattr(lay, "keys", None), getattr(lay, "values", None)
+            if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+                raise refuse(f"layer {i} stores no K/V tensors")
+            if keys.shape[:-1] == values.shape[:-1] and keys.shape[-1] != values.shape[-1]:
+                raise refuse(f"layer {i} has different K and V head dims (MLA): "
+                             f"{keys.shape[-1]} and {values.shape[-1]}")
+            for label, got in (("K", keys), ("V", values)):
+                if tuple(got.shape) != want:
+                    raise refuse(f"layer {i} {label} is {list(got.shape)}")
 
     def namespace(self, block_size: int, cache_salt: str = "") -> Namespace:
         """The namespace of this model's KV blocks for a block size and tenant salt."""
@@ -199,3 +247,34 @@ def load_model(spec: str, *, seed: int = 0, dtype: str = "float32",
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load model from {spec!r}: {exc}") from exc
     return CausalLM(model, dtype, os.path.basename(os.path.normpath(spec)), attn_implementation)
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    """An ``eos_token_id`` field (absent, one id or a list) as a tuple."""
+    if value is None:
+        return ()
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return tuple(int(v) for v in values if v is not None)
+
+
+def generation_stop_ids(spec: str) -> tuple[int, ...]:
+    """The end-of-sequence ids a checkpoint's generation stops at; ``()`` for a preset.
+
+    A published checkpoint says them in ``generation_config.json`` (chat models often list
+    several: end of turn and end of text); an older one only in ``config.json``.
+    """
+    if spec in PRESETS or not os.path.isdir(spec):
+        return ()  # a preset has none; a bad spec is load_model's error to report
+    try:
+        ids = _token_ids(GenerationConfig.from_pretrained(spec, local_files_only=True)
+                         .eos_token_id)
+    except (OSError, ValueError):  # no (or no readable) generation_config.json
+        ids = ()
+    if ids:
+        return ids
+    try:
+        with open(os.path.join(spec, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return ()  # load_model reports a missing or broken config
+    return _token_ids(config.get("eos_token_id")) if isinstance(config, dict) else ()

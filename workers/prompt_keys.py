@@ -39,12 +39,17 @@ def worker_namespace(config: KVStoreConfig) -> Namespace:
 
 
 def read_prompt_tokens(prompts_path: str | None, text: str | None,
-                       tokenizer_path: str | None) -> list[tuple[str, list[int]]]:
-    """``(id, token_ids)`` from a prompts file (as the jobs read it) or one ``--text``."""
-    from workers.jobs import read_prompts
-    from workers.tokenizer import load_tokenizer
+                       tokenizer_path: str | None, model: str = "tiny"
+                       ) -> list[tuple[str, list[int]]]:
+    """``(id, token_ids)`` from a prompts file (as the jobs read it) or one ``--text``.
 
-    tokenizer = load_tokenizer(tokenizer_path)
+    Tokenized as the workers of ``model`` tokenize (its directory's own tokenizer by default),
+    so the keys are the ones the jobs and the HTTP server publish.
+    """
+    from workers.prompts import read_prompts
+    from workers.tokenizer import tokenizer_for
+
+    tokenizer = tokenizer_for(model, tokenizer_path)
     if text is not None:
         return [("--text", tokenizer.encode(text))]
     if prompts_path is None:

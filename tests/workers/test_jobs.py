@@ -69,12 +69,24 @@ def test_demo_json_in_process(capsys):
     ('{"id": 1}', "exactly one of"),
     ('{"id": 1, "token_ids": ["a"]}', "list of ints"),
     ('{"id": 1, "token_ids": [999999]}', "vocabulary"),
+    ('{"id": 1, "messages": [{"role": "bot", "content": "x"}]}', "bad.jsonl:1: 'messages'[0]"),
 ])
 def test_bad_prompt_files_exit_2_with_a_message(tmp_path, capsys, line, match):
     path = tmp_path / "bad.jsonl"
     path.write_text(line + "\n")
     assert main(["generate", "--prompts", str(path), *FLAGS]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_a_preset_takes_messages_in_its_builtin_template(tmp_path, capsys):
+    chat = [{"role": "user", "content": "hello kvstore"}]
+    rendered = list(b"<|user|>\nhello kvstore\n<|assistant|>\n")
+    prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "m", "messages": chat},
+                                                   {"id": "t", "token_ids": rendered}])
+    rc, rows = run(capsys, "generate", "--prompts", prompts, "--no-cache", *FLAGS)
+    assert rc == 0
+    assert rows[0]["output_token_ids"] == rows[1]["output_token_ids"]
+    assert "text" not in rows[0]  # bytes of random weights: no text
 
 
 @pytest.mark.parametrize("spec, want", [("prefill", {"prefill": 0.01}),

@@ -84,3 +84,47 @@ def test_export_blocks_layout_matches_the_cache(tiny):
     kv = tiny.export_kv(cache, 0, 40)
     rebuilt = tiny.cache_from_kv([kv[i, 0] for i in range(2)], [kv[i, 1] for i in range(2)])
     assert torch.equal(tiny.forward([7], rebuilt), tiny.forward([7], cache))
+
+
+def test_a_cache_that_is_not_plain_full_attention_is_refused_at_load():
+    # Llama ignores attention_chunk_size, but the cache transformers builds for it would keep a
+    # window per layer: the structural check sees that whatever the model's code does.
+    model = load_model("tiny").model
+    model.config.attention_chunk_size = 8
+    from workers.model import CausalLM
+    with pytest.raises(ConfigError, match="DynamicSlidingWindowLayer, not full attention"):
+        CausalLM(model, "float32", "chunked")
+
+
+class _LatentAttention(torch.nn.Module):
+    """A stand-in for an MLA model: K and V of one layer cached with different head dims."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = LlamaConfig(**PRESETS["tiny"])
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, past_key_values, **kwargs):
+        from types import SimpleNamespace
+
+        n = input_ids.shape[1]
+        for layer in range(self.config.num_hidden_layers):
+            past_key_values.update(torch.zeros(1, 2, n, 16), torch.zeros(1, 2, n, 8), layer)
+        return SimpleNamespace(logits=torch.zeros(1, n, self.config.vocab_size))
+
+
+def test_different_k_and_v_head_dims_are_refused_at_load():
+    from workers.model import CausalLM
+
+    with pytest.raises(ConfigError, match=r"'mla'.*different K and V head dims \(MLA\)"):
+        CausalLM(_LatentAttention(), "float32", "mla")
+
+
+def test_layer_types_other_than_full_attention_are_refused():
+    from transformers import LlamaForCausalLM
+
+    from workers.model import CausalLM
+
+    cfg = LlamaConfig(**PRESETS["tiny"], layer_types=["full_attention", "chunked_attention"])
+    with pytest.raises(ConfigError, match="layer_types"):
+        CausalLM(LlamaForCausalLM(cfg), "float32", "chunked")
