@@ -6,6 +6,8 @@ Request flow step 3 of docs/design.md §4. A plain class: in-process as it is, o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvstore.api import TokenIds
 from workers.engine import DecodeResult, PrefillResult, SamplingParams, TailKV
 from workers.replica import Replica
@@ -16,17 +18,22 @@ class DecodeWorker(Replica):
 
     def decode(self, token_ids: TokenIds, first_token: int, request_id: str,
                tail: TailKV | None = None, sampling: SamplingParams | None = None,
-               use_cache: bool = True, return_logits: bool = False) -> DecodeResult:
+               use_cache: bool = True, return_logits: bool = False,
+               cache_salt: str | None = None,
+               on_token: Callable[[int], None] | None = None) -> DecodeResult:
         return self.engine.decode(token_ids, first_token, tail=tail, request_id=request_id,
                                   sampling=sampling, use_cache=use_cache,
-                                  return_logits=return_logits)
+                                  return_logits=return_logits, cache_salt=cache_salt,
+                                  on_token=on_token)
 
     def generate(self, token_ids: TokenIds, request_id: str,
-                 sampling: SamplingParams | None = None, use_cache: bool = True
+                 sampling: SamplingParams | None = None, use_cache: bool = True,
+                 cache_salt: str | None = None, on_token: Callable[[int], None] | None = None
                  ) -> tuple[PrefillResult, DecodeResult]:
         """Prefill and decode here, on local KV: the ``--no-cache`` reference computes each
         prompt once, and its TTFT is the prefill's here."""
         pre, dec = self.engine.generate(token_ids, request_id=request_id, sampling=sampling,
-                                        use_cache=use_cache)
+                                        use_cache=use_cache, cache_salt=cache_salt,
+                                        on_token=on_token)
         pre.tail = None  # the KV stayed here; do not ship it back
         return pre, dec

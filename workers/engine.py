@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +34,7 @@ from kvstore import metrics
 from kvstore.api import MISS_NODE_UNAVAILABLE, BlockPut, FetchedBlock, KVStore, TokenIds
 from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError, KVStoreError, RequestCancelled
-from kvstore.keys import BlockHasher
+from kvstore.keys import BlockHasher, Namespace
 from workers.model import CausalLM
 from workers.paged_kv import gather_blocks, scatter_blocks
 from workers.reuse import ReusePolicy, choose_policy
@@ -164,6 +164,8 @@ class Engine:
         salt = config.cache_salt if self.policy.exact else f"{config.cache_salt}\x00reuse=block"
         self.namespace = model.namespace(config.block_size, salt)
         self.hasher = BlockHasher(self.namespace)
+        self._exact_suffix = "" if self.policy.exact else "\x00reuse=block"
+        self._hashers: dict[str, BlockHasher] = {config.cache_salt: self.hasher}
         metrics.observe_reuse_policy(self.policy.as_dict())
         self._lock = threading.Lock()
         # One model forward at a time: a replica serving several requests (a threaded actor)
@@ -171,6 +173,24 @@ class Engine:
         self._forward_lock = threading.Lock()
         self._cancelled: set[str] = set()
         self._active: dict[str, DynamicCache | None] = {}
+
+    def hasher_for(self, cache_salt: str | None) -> BlockHasher:
+        """The block hasher of a tenant: ``None`` is the configured ``worker.cache_salt``.
+
+        A per-request salt (the HTTP API's ``cache_salt``) selects another namespace of the same
+        model, so two tenants' prompts never share a block (docs/design.md §1).
+        """
+        salt = self.config.cache_salt if cache_salt is None else cache_salt
+        with self._lock:
+            hasher = self._hashers.get(salt)
+            if hasher is None:
+                if len(self._hashers) >= 4096:  # a bound on tenants remembered, not on tenants
+                    self._hashers.clear()
+                    self._hashers[self.config.cache_salt] = self.hasher
+                hasher = BlockHasher(self.model.namespace(self.block_size,
+                                                          salt + self._exact_suffix))
+                self._hashers[salt] = hasher
+            return hasher
 
     # -- request lifecycle ------------------------------------------------------------------
 
@@ -227,14 +247,15 @@ class Engine:
         unit = self.block_size if self.policy.publish == "block" else self.chunk_tokens
         return num_tokens // unit * unit
 
-    def _fetch(self, tokens: list[int], keys: Sequence[bytes], num_blocks: int) -> _Fetch:
+    def _fetch(self, namespace: Namespace, tokens: list[int], keys: Sequence[bytes],
+               num_blocks: int) -> _Fetch:
         """Fetch the first ``num_blocks`` blocks; keep the leading run of good ones."""
         fetch = _Fetch()
         if num_blocks == 0 or self.store is None:
             return fetch
         try:
             results = self.store.batch_get(
-                self.namespace, keys[:num_blocks],
+                namespace, keys[:num_blocks],
                 [self._block_tokens(tokens, i) for i in range(num_blocks)])
         except KVStoreError as exc:  # the store is a cache: losing it means recomputing
             fetch.misses.append(f"{MISS_NODE_UNAVAILABLE}: {exc}")
@@ -265,10 +286,10 @@ class Engine:
                 return start
             start = (chunk_end - size) // bs * bs
 
-    def _lookup(self, keys: Sequence[bytes]) -> int:
+    def _lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
         assert self.store is not None
         try:
-            return self.store.lookup_prefix(self.namespace, keys).num_blocks
+            return self.store.lookup_prefix(namespace, keys).num_blocks
         except KVStoreError:  # an unreachable index is a cold start, not a failed request
             return 0
 
@@ -295,9 +316,13 @@ class Engine:
         return logits
 
     def _continue(self, cache: DynamicCache, first_token: int, sampling: SamplingParams,
-                  request_id: str, deadline: float, return_logits: bool
+                  request_id: str, deadline: float, return_logits: bool,
+                  on_token: Callable[[int], None] | None = None
                   ) -> tuple[list[int], list[torch.Tensor]]:
-        """Generate after the first token, one token per step (none for a warm-up)."""
+        """Generate after the first token, one token per step (none for a warm-up).
+
+        ``on_token`` sees each token after the first as soon as it is picked (streaming).
+        """
         all_logits: list[torch.Tensor] = []
         if sampling.max_new_tokens == 0:
             return [], all_logits
@@ -309,20 +334,25 @@ class Engine:
             if return_logits:
                 all_logits.append(logits)
             out.append(pick_token(logits, sampling, len(out)))
+            if on_token is not None:
+                on_token(out[-1])
         return out, all_logits
 
     # -- prefill ----------------------------------------------------------------------------
 
     def _prefill(self, token_ids: TokenIds, sampling: SamplingParams, request_id: str,
-                 use_cache: bool, deadline: float) -> tuple[PrefillResult, DynamicCache]:
+                 use_cache: bool, deadline: float, cache_salt: str | None = None
+                 ) -> tuple[PrefillResult, DynamicCache]:
         t0 = time.perf_counter()
         tokens = self._tokens(token_ids)
         n, bs = len(tokens), self.block_size
-        keys = self.hasher.block_keys(tokens)
+        hasher = self.hasher_for(cache_salt)
+        namespace = hasher.namespace
+        keys = hasher.block_keys(tokens)
         use_store = use_cache and self.store is not None
-        hit = self._lookup(keys) if use_store else 0
+        hit = self._lookup(namespace, keys) if use_store else 0
         # The last token always runs (its logits give the first token), so never resume at n.
-        fetch = self._fetch(tokens, keys, min(hit, (n - 1) // bs))
+        fetch = self._fetch(namespace, tokens, keys, min(hit, (n - 1) // bs))
         fetch.keep(self.resume_point(len(fetch.payloads) * bs, n) // bs)
         t_fetch = time.perf_counter()
         resume = len(fetch.payloads) * bs
@@ -343,7 +373,7 @@ class Engine:
             # then everything from the resume point is re-offered to replace the bad copy.
             first_new = resume // bs if fetch.misses else max(resume // bs,
                                                               min(hit, published_end // bs))
-            puts = [BlockPut(keys[i], keys[i - 1] if i else self.namespace.root,
+            puts = [BlockPut(keys[i], keys[i - 1] if i else namespace.root,
                              self._block_tokens(tokens, i), payload)
                      for i, payload in enumerate(
                          self.model.export_blocks(cache, first_new * bs,
@@ -351,7 +381,7 @@ class Engine:
                          start=first_new)]
             try:
                 if puts:
-                    self.store.batch_put(self.namespace, puts)
+                    self.store.batch_put(namespace, puts)
                 num_new = len(puts)
             except KVStoreError as exc:  # this request is served; later ones recompute
                 fetch.misses.append(f"publish failed: {exc}")
@@ -372,12 +402,15 @@ class Engine:
 
     def prefill(self, token_ids: TokenIds, *, request_id: str = "prefill",
                 sampling: SamplingParams | None = None, use_cache: bool = True,
-                return_logits: bool = False) -> PrefillResult:
-        """Compute the uncached part of the prompt, publish new blocks, return the first token."""
+                return_logits: bool = False, cache_salt: str | None = None) -> PrefillResult:
+        """Compute the uncached part of the prompt, publish new blocks, return the first token.
+
+        ``cache_salt`` selects the tenant's namespace (``None``: ``worker.cache_salt``).
+        """
         deadline = self._begin(request_id)
         try:
             result, _ = self._prefill(token_ids, sampling or SamplingParams(), request_id,
-                                      use_cache, deadline)
+                                      use_cache, deadline, cache_salt)
         finally:
             self._end(request_id)
         if not return_logits:
@@ -389,11 +422,14 @@ class Engine:
     def decode(self, token_ids: TokenIds, first_token: int | None, *,
                tail: TailKV | None = None,
                request_id: str = "decode", sampling: SamplingParams | None = None,
-               use_cache: bool = True, return_logits: bool = False) -> DecodeResult:
+               use_cache: bool = True, return_logits: bool = False,
+               cache_salt: str | None = None,
+               on_token: Callable[[int], None] | None = None) -> DecodeResult:
         """Fetch the prompt's KV, recompute what is missing, and generate after ``first_token``.
 
         ``first_token=None`` (a decode job without a prefill in front) recomputes the last
-        chunk at least, and picks the first token from its logits.
+        chunk at least, and picks the first token from its logits. ``cache_salt`` is the
+        tenant's (as in ``prefill``); ``on_token`` sees each later token as it is picked.
         """
         sampling = sampling or SamplingParams()
         deadline = self._begin(request_id)
@@ -404,8 +440,9 @@ class Engine:
             # What the prefill published; without a prefill in front the last token must run.
             whole = self.publish_end(n) if first_token is not None else \
                 min(self.publish_end(n), (n - 1) // bs * bs)
-            keys = self.hasher.block_keys(tokens[:whole])
-            fetch = self._fetch(tokens, keys, len(keys) if use_cache else 0)
+            hasher = self.hasher_for(cache_salt)
+            keys = hasher.block_keys(tokens[:whole])
+            fetch = self._fetch(hasher.namespace, tokens, keys, len(keys) if use_cache else 0)
             if not (tail is not None and len(fetch.payloads) * bs == whole == tail.start):
                 fetch.keep(self.resume_point(len(fetch.payloads) * bs, n) // bs)  # must run
             resume = len(fetch.payloads) * bs
@@ -441,7 +478,7 @@ class Engine:
                 first_token = pick_token(last, sampling, 0)
             t_ready = time.perf_counter()
             out, logits = self._continue(cache, first_token, sampling, request_id, deadline,
-                                         return_logits)
+                                         return_logits, on_token)
             t_end = time.perf_counter()
         finally:
             self._end(request_id)
@@ -456,15 +493,20 @@ class Engine:
 
     def generate(self, token_ids: TokenIds, *, request_id: str = "generate",
                  sampling: SamplingParams | None = None, use_cache: bool = True,
-                 return_logits: bool = False) -> tuple[PrefillResult, DecodeResult]:
+                 return_logits: bool = False, cache_salt: str | None = None,
+                 on_token: Callable[[int], None] | None = None
+                 ) -> tuple[PrefillResult, DecodeResult]:
         """Prefill then decode on the prefill's own KV (no fetch): the local-KV path."""
         sampling = sampling or SamplingParams()
         deadline = self._begin(request_id)
         try:
-            pre, cache = self._prefill(token_ids, sampling, request_id, use_cache, deadline)
+            pre, cache = self._prefill(token_ids, sampling, request_id, use_cache, deadline,
+                                       cache_salt)
+            if on_token is not None and sampling.max_new_tokens:
+                on_token(pre.first_token)  # streamed at its time to first token
             t0 = time.perf_counter()
             out, logits = self._continue(cache, pre.first_token, sampling, request_id, deadline,
-                                         return_logits)
+                                         return_logits, on_token)
             decode_s = time.perf_counter() - t0
         finally:
             self._end(request_id)

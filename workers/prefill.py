@@ -16,7 +16,8 @@ class PrefillWorker(Replica):
 
     def prefill(self, token_ids: TokenIds, request_id: str,
                 sampling: SamplingParams | None = None, use_cache: bool = True,
-                return_logits: bool = False) -> PrefillResult:
+                return_logits: bool = False, cache_salt: str | None = None) -> PrefillResult:
         """Prefill ``token_ids`` reusing every cached block (see ``Engine.prefill``)."""
         return self.engine.prefill(token_ids, request_id=request_id, sampling=sampling,
-                                   use_cache=use_cache, return_logits=return_logits)
+                                   use_cache=use_cache, return_logits=return_logits,
+                                   cache_salt=cache_salt)

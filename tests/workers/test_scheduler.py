@@ -120,9 +120,9 @@ def test_reference_computes_each_prompt_once(monkeypatch):
     prefills: list[str] = []
     original = Engine._prefill
 
-    def counting(self, token_ids, sampling, request_id, use_cache, deadline):
+    def counting(self, token_ids, sampling, request_id, use_cache, deadline, *rest):
         prefills.append(request_id)
-        return original(self, token_ids, sampling, request_id, use_cache, deadline)
+        return original(self, token_ids, sampling, request_id, use_cache, deadline, *rest)
 
     monkeypatch.setattr(Engine, "_prefill", counting)
     requests = make_requests(3)
