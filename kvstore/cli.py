@@ -172,6 +172,12 @@ def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
             pass
         else:
             job_args.register(sub)
+        try:
+            from frontend import args as serve_args
+        except ImportError:  # the HTTP front end is optional too
+            pass
+        else:
+            serve_args.register(sub)
     return parser
 
 

@@ -1,7 +1,8 @@
 """One config dataclass per component, loaded from YAML and ``KVSTORE_*`` variables.
 
 Precedence: defaults < YAML file < environment. A YAML file has one mapping per component
-(``pool:``, ``server:``, ``client:``, ``index:``, ``coordinator:``, ``worker:``); the variable
+(``pool:``, ``server:``, ``client:``, ``index:``, ``coordinator:``, ``worker:``,
+``serve:``); the variable
 for a field is ``KVSTORE_<COMPONENT>_<FIELD>`` (``KVSTORE_POOL_CAPACITY_BYTES=4GiB``).
 Every dataclass validates itself in ``__post_init__`` with a message that names the setting
 and says what to change.
@@ -218,6 +219,45 @@ class WorkerConfig:
 
 
 @dataclass(slots=True)
+class ServeConfig:
+    """``kvstore serve``: the OpenAI-compatible HTTP front end and its Ray Serve replicas.
+
+    ``api_key`` comes from the file, ``KVSTORE_SERVE_API_KEY`` or ``api_key_file`` — never
+    from a command line, where ``ps`` would show it. With ``autoscaling`` on, Serve scales
+    each kind of replica between ``min_replicas`` and ``max_replicas`` to keep about
+    ``target_ongoing_requests`` per replica; otherwise the replica counts are fixed.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None
+    api_key: str | None = None
+    api_key_file: str | None = None
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    autoscaling: bool = False
+    min_replicas: int = 1
+    max_replicas: int = 4
+    target_ongoing_requests: float = 2.0
+    max_ongoing_requests: int = 4
+    max_queued_requests: int = 64
+    default_max_tokens: int = 256
+    max_stop_sequences: int = 4
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port < 65536, "serve.port must be in [0, 65535]")
+        for name in ("prefill_replicas", "decode_replicas", "min_replicas",
+                     "max_ongoing_requests", "max_queued_requests", "default_max_tokens",
+                     "max_stop_sequences"):
+            _check(getattr(self, name) >= 1, f"serve.{name} must be >= 1")
+        _check(self.max_replicas >= self.min_replicas,
+               "serve.max_replicas must be >= serve.min_replicas")
+        _check(self.target_ongoing_requests > 0, "serve.target_ongoing_requests must be > 0")
+        _check(self.api_key is None or len(self.api_key) >= 8,
+               "serve.api_key must be at least 8 characters (or unset for no key)")
+
+
+@dataclass(slots=True)
 class KVStoreConfig:
     """All components' settings."""
 
@@ -227,6 +267,7 @@ class KVStoreConfig:
     index: IndexConfig = field(default_factory=IndexConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -327,7 +368,7 @@ def load_config(
             raise ConfigError(f"{at}: YAML syntax error: {problem}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must be a mapping of components "
-                              "(pool:, server:, client:, index:, coordinator:, worker:)")
+                              "(pool:, server:, client:, index:, coordinator:, worker:, serve:)")
         for section, values in loaded.items():
             if not isinstance(values, dict):
                 raise ConfigError(f"{_where(str(section), path, lines)}: config section "

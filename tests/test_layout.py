@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("kvstore", "workers")
+PACKAGES = ("kvstore", "workers", "frontend")
 
 #: Rank of each layer, lowest first: a module may import its own layer or lower ones.
 #: Within one layer, only modules of the same package (or the ground) import each other.
@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("stores", ("kvstore.local", "kvstore.cluster_store")),
     ("cluster", ("kvstore.cluster",)),
     ("workers", ("workers",)),
+    ("frontend", ("frontend",)),
     ("cli", ("kvstore.cli", "kvstore.cache_commands", "kvstore.status_command")),
 ]
 

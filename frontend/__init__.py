@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front end (``kvstore serve``) on Ray Serve (docs/design.md §5)."""

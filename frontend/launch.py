@@ -1,0 +1,167 @@
+"""``kvstore serve``: bring up the store (if needed) and the Serve application; run until Ctrl-C.
+
+On the embedded default (no cluster named, none recorded) it starts a private local Ray, the
+coordinator and a store node, as ``kvstore generate`` does, and takes them down again on exit.
+On a running kvstore cluster it deploys the application there and deletes only the application
+on exit. The model is checked in this process first, so a checkpoint the adapter cannot serve
+exactly fails here with its message, before any replica starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvstore.config import KVStoreConfig, load_config
+from kvstore.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: The Serve application's name (``serve status`` shows it).
+APP_NAME = "kvstore"
+#: How long to wait for the HTTP endpoint to answer after deploying.
+READY_TIMEOUT_S = 300.0
+
+
+def make_config(args: argparse.Namespace) -> KVStoreConfig:
+    """Defaults < --config < KVSTORE_* < flags."""
+    worker = {"model": args.model, "seed": args.seed, "block_size": args.block_size,
+              "prefill_chunk_tokens": args.chunk_tokens, "num_threads": args.threads}
+    serve = {"host": args.host, "port": args.port, "model_name": args.model_name,
+             "prefill_replicas": args.prefill_replicas, "decode_replicas": args.decode_replicas}
+    config = load_config(args.config, overrides={"worker": worker, "serve": serve})
+    key_file = config.serve.api_key_file
+    if key_file and not config.serve.api_key:
+        try:
+            key = Path(key_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"serve.api_key_file {key_file}: {exc.strerror or exc}") from None
+        if len(key) < 8:
+            raise ConfigError(f"serve.api_key_file {key_file}: the key must be at least 8 "
+                              "characters")
+        config.serve.api_key = key
+    return config
+
+
+def model_card(config: KVStoreConfig) -> Any:
+    """The served model's name, context length and vocabulary, from its config only."""
+    from frontend.protocol import ModelCard
+    from workers.model import PRESETS
+
+    spec = config.worker.model
+    if spec in PRESETS:
+        shape = PRESETS[spec]
+        max_len, vocab, name = shape["max_position_embeddings"], shape["vocab_size"], spec
+    else:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(spec, local_files_only=True)
+        max_len, vocab = int(cfg.max_position_embeddings), int(cfg.vocab_size)
+        name = os.path.basename(os.path.normpath(spec))
+    return ModelCard(config.serve.model_name or name, max_len, vocab, int(time.time()))
+
+
+def build_app(config: KVStoreConfig, tokenizer_path: str | None) -> Any:
+    """The Serve application: the HTTP front end bound to prefill and decode deployments."""
+    from frontend.app import OpenAIServer
+    from frontend.deployments import DecodeServer, PrefillServer
+    from workers.model import generation_stop_ids
+
+    sc = config.serve
+
+    def scaled(replicas: int) -> dict[str, Any]:
+        opts: dict[str, Any] = {"max_ongoing_requests": sc.max_ongoing_requests,
+                                "max_queued_requests": sc.max_queued_requests}
+        if sc.autoscaling:
+            opts["autoscaling_config"] = {
+                "min_replicas": sc.min_replicas, "max_replicas": sc.max_replicas,
+                "initial_replicas": max(sc.min_replicas, min(replicas, sc.max_replicas)),
+                "target_ongoing_requests": sc.target_ongoing_requests}
+        else:
+            opts["num_replicas"] = replicas
+        return opts
+
+    prefill = PrefillServer.options(**scaled(sc.prefill_replicas)).bind(config)
+    decode = DecodeServer.options(**scaled(sc.decode_replicas)).bind(config)
+    eos = tuple(generation_stop_ids(config.worker.model))
+    return OpenAIServer.bind(model_card(config), config, tokenizer_path, eos, prefill, decode)
+
+
+def check_model(config: KVStoreConfig, tokenizer_path: str | None) -> None:
+    """Load the tokenizer and (for a directory) the model here: refusals come out now."""
+    from workers.model import PRESETS, load_model
+    from workers.tokenizer import tokenizer_for
+
+    tokenizer_for(config.worker.model, tokenizer_path)
+    if config.worker.model not in PRESETS:
+        load_model(config.worker.model, seed=config.worker.seed, dtype=config.worker.dtype,
+                   num_threads=None)
+
+
+def _wait_ready(url: str, stop: threading.Event) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not stop.is_set():
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"{url}/health", timeout=15) as reply:
+                if reply.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            raise ConfigError(f"the server did not answer at {url}/health within "
+                              f"{READY_TIMEOUT_S:.0f}s")
+        stop.wait(0.5)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = make_config(args)
+    check_model(config, args.tokenizer)
+    import ray
+    from ray import serve
+
+    from kvstore.cluster import lifecycle
+    from kvstore.cluster.names import coordinator_handle
+    from kvstore.errors import NodeUnavailable
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    lifecycle.ensure_ray(args.address)
+    started_cluster = False
+    try:
+        try:
+            coordinator_handle()
+        except NodeUnavailable:  # nothing running: the embedded default
+            lifecycle.start(config)
+            started_cluster = True
+        sc = config.serve
+        serve.start(http_options={"host": sc.host, "port": sc.port})
+        serve.run(build_app(config, args.tokenizer), name=APP_NAME, route_prefix="/",
+                  blocking=False)
+        host = "127.0.0.1" if sc.host in ("0.0.0.0", "::") else sc.host
+        url = f"http://{host}:{sc.port}"
+        _wait_ready(url, stop)
+        if args.ready_file:
+            Path(args.ready_file).write_text(url + "\n")
+        print(f"kvstore serve: {model_card(config).name} at {url}/v1 "
+              f"({sc.prefill_replicas} prefill, {sc.decode_replicas} decode replicas"
+              f"{', autoscaling' if sc.autoscaling else ''}"
+              f"{', API key required' if sc.api_key else ''}); Ctrl-C stops it",
+              file=sys.stderr, flush=True)
+        stop.wait()
+    finally:
+        with contextlib.suppress(Exception):
+            serve.delete(APP_NAME)
+        if started_cluster:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            lifecycle.stop(config)
+        ray.shutdown()
+    return 0
