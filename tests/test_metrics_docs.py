@@ -8,16 +8,19 @@ from pathlib import Path
 
 import yaml
 
+from frontend import metrics as serve_metrics
 from kvstore import metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def exposed_names() -> set[str]:
-    """Every series name as a scrape shows it (counters with ``_total``)."""
+    """Every series name as a scrape shows it (counters with ``_total``): the store's and the
+    HTTP front end's registries."""
     names = set()
-    for family in metrics.REGISTRY.collect():
-        names.add(family.name + ("_total" if family.type == "counter" else ""))
+    for registry in (metrics.REGISTRY, serve_metrics.REGISTRY):
+        for family in registry.collect():
+            names.add(family.name + ("_total" if family.type == "counter" else ""))
     return names
 
 
@@ -41,7 +44,7 @@ def test_dashboard_queries_only_existing_series() -> None:
 def test_scrape_config_has_a_job_per_kind_of_endpoint() -> None:
     config = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    assert set(jobs) == {"kvstore-store-nodes", "kvstore-coordinator"}
+    assert set(jobs) == {"kvstore-store-nodes", "kvstore-coordinator", "kvstore-serve"}
     for job in jobs.values():
         for target in job["static_configs"][0]["targets"]:
             assert re.fullmatch(r"[A-Z0-9_]+:\d+", target)

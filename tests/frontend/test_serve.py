@@ -63,7 +63,8 @@ def checkpoint(tmp_path_factory) -> tuple[Path, int]:
     free = hf_greedy(model, hf_ids(AutoTokenizer.from_pretrained(base), chat(QUESTIONS[0])),
                      None, 12)
     n = next(i for i in range(3, 12) if free[i - 1] not in free[:i - 1])
-    path = build_checkpoint(tmp_path_factory.mktemp("ckpt") / "chat-model", eos_token_id=free[n - 1],
+    path = build_checkpoint(tmp_path_factory.mktemp("ckpt") / "chat-model",
+                            eos_token_id=free[n - 1],
                             config_overrides={"max_position_embeddings": MAX_LEN})
     return path, free[n - 1]
 
