@@ -38,7 +38,9 @@ HEALTH_TIMEOUT_S = 10.0
 
 
 def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+    # A 503 says when to come back; the openai client honours Retry-After on its retries.
+    headers = {"Retry-After": "1"} if exc.status == 503 else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 def _status_label(status: int) -> str:
@@ -58,8 +60,10 @@ class OpenAIServer:
         self.serve_config = config.serve
         self.api_key = config.serve.api_key
         self.tokenizer = tokenizer_for(config.worker.model, tokenizer_path)
+        # A shared prefix of at least one prefill chunk is worth waiting for.
         self.generator = Generator(card, self.tokenizer, prefill, decode, eos_ids,
-                                   config.serve.default_max_tokens)
+                                   config.serve.default_max_tokens,
+                                   config.worker.prefill_chunk_tokens)
         self.prefill = prefill
         self.decode = decode
 
@@ -83,7 +87,8 @@ class OpenAIServer:
             return JSONResponse({"status": "unavailable", "reason": f"{type(exc).__name__}: "
                                  f"{exc}"[:500]}, status_code=503)
         return JSONResponse({"status": "ok", "model": self.card.name, "prefill": prefill,
-                             "decode": decode})
+                             "decode": decode,
+                             "coalesced_prefills": self.generator.prefills.waited})
 
     @api.get("/metrics")
     async def prometheus(self) -> Response:

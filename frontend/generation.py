@@ -17,6 +17,7 @@ from typing import Any
 
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from frontend.coalesce import InFlightPrefills
 from frontend.deployments import EngineCall
 from frontend.detokenize import TextStream
 from frontend.protocol import APIError, GenerationRequest, ModelCard
@@ -71,8 +72,10 @@ class Generator:
     """Turns checked requests into streams of ``Piece`` over the two deployments."""
 
     def __init__(self, card: ModelCard, tokenizer: Tokenizer, prefill: Any, decode: Any,
-                 eos_ids: tuple[int, ...], default_max_tokens: int) -> None:
+                 eos_ids: tuple[int, ...], default_max_tokens: int,
+                 coalesce_tokens: int = 256) -> None:
         self.card = card
+        self.prefills = InFlightPrefills(coalesce_tokens)
         self.tokenizer = tokenizer
         self.prefill = prefill
         self.decode = decode
@@ -124,8 +127,10 @@ class Generator:
     async def run(self, p: Prepared, stop: list[str]) -> AsyncIterator[Piece]:
         """The request's text as it is generated; the last piece has the finish reason.
 
-        Errors before the first piece are ``APIError`` (an HTTP status can still be sent);
-        closing this iterator early cancels the request on its replica.
+        Every failure is an ``APIError``: before the first piece an HTTP status can still be
+        sent; after it (the decode deployment refused the request, a replica died) a
+        non-streaming request still gets the status and a stream ends with an error event.
+        Closing this iterator early cancels the request on its replica.
         """
         text = TextStream(self.tokenizer, stop)
         count = 0
@@ -134,7 +139,9 @@ class Generator:
         try:
             if p.call.use_cache:
                 try:
-                    pre = await self.prefill.prefill.remote(p.call)
+                    async with self.prefills.turn(p.request_id, p.call.cache_salt,
+                                                  p.prompt_ids):
+                        pre = await self.prefill.prefill.remote(p.call)
                 except Exception as exc:  # noqa: BLE001 - mapped to a status for the client
                     raise replica_error(exc) from None
                 p.usage.cached_tokens = pre.cached_tokens
@@ -172,10 +179,8 @@ class Generator:
                         None if first_seen else time.perf_counter() - p.arrived)
         except APIError:
             raise
-        except Exception as exc:  # noqa: BLE001
-            if not first_seen:
-                raise replica_error(exc) from None
-            raise
+        except Exception as exc:  # noqa: BLE001 - a status for the client, before or mid-stream
+            raise replica_error(exc) from None
         finally:
             if stream is not None:
                 stream.cancel()  # no-op when finished; else stops the engine, frees the KV

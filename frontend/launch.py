@@ -159,9 +159,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         with contextlib.suppress(Exception):
             serve.delete(APP_NAME)
-        if started_cluster:
-            with contextlib.suppress(Exception):
-                serve.shutdown()
+        if started_cluster:  # Serve itself goes with the private Ray, or stays for others
             lifecycle.stop(config)
         ray.shutdown()
     return 0

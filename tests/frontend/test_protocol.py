@@ -3,6 +3,8 @@ everything of the front end that needs no server."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from frontend.detokenize import TextStream
@@ -122,3 +124,35 @@ def _deployments(app) -> list:
     node = app._bound_deployment
     return [node] + [arg._bound_deployment for arg in node.init_args
                      if hasattr(arg, "_bound_deployment")]
+
+
+def test_shared_prefix_and_waiting_for_the_prefill_that_computes_it() -> None:
+    from frontend.coalesce import InFlightPrefills, shared_prefix
+
+    assert shared_prefix([1, 2, 3, 4], [1, 2, 9]) == 2
+    assert shared_prefix([], [1]) == 0 and shared_prefix([5] * 9, [5] * 9) == 9
+    order: list[str] = []
+
+    async def main() -> None:
+        flights = InFlightPrefills(min_tokens=4)
+        first_in = asyncio.Event()
+
+        async def request(name: str, salt: str, tokens: list[int], hold: float) -> None:
+            async with flights.turn(name, salt, tokens):
+                order.append(f"{name}+")
+                first_in.set()
+                await asyncio.sleep(hold)
+                order.append(f"{name}-")
+
+        lead = asyncio.create_task(request("a", "s", list(range(10)), 0.05))
+        await first_in.wait()
+        await asyncio.gather(
+            request("b", "s", list(range(6)) + [99], 0),  # shares 6 >= 4: waits for a
+            request("c", "t", list(range(10)), 0),  # another tenant: never waits
+            request("d", "s", [0, 1, 2, 7], 0))  # shares 3 < 4: does not wait
+        await lead
+        assert flights.waited == 1
+
+    asyncio.run(main())
+    assert order.index("b+") > order.index("a-")
+    assert order.index("c+") < order.index("a-") and order.index("d+") < order.index("a-")

@@ -210,7 +210,9 @@ def test_sixteen_concurrent_requests_share_the_system_prompt(server, reference) 
 
     outs = asyncio.run(main())
     cached = [o.usage.prompt_tokens_details.cached_tokens for o in outs]
-    assert sum(c > 0 for c in cached) >= 8, cached  # all but the first few reuse the prompt
+    # One computes the shared prompt; the others wait for it or come later, and reuse it.
+    assert sum(c > 0 for c in cached) >= 15, cached
+    assert health(server)["coalesced_prefills"] > 0
     for q, out in zip(QUESTIONS, outs, strict=True):
         assert out.choices[0].model_dump()["token_ids"] == run(hf_ids(tok, chat(q)), 4)
 
