@@ -1,1 +1,2 @@
-"""The OpenAI-compatible HTTP front end (``kvstore serve``) on Ray Serve (docs/design.md §5)."""
+"""The OpenAI-compatible HTTP front end (``kvstore serve``) on Ray Serve (docs/design.md §4,
+serving over HTTP)."""
