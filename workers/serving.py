@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, get_args
 
@@ -74,7 +75,12 @@ class Deployment:
             from kvstore.cluster.names import RAY_NAMESPACE, coordinator_handle
 
             if own_ray and address is None and not ray.is_initialized():
-                # A private local Ray: never attach to someone else's cluster by accident.
+                # A private local Ray: never attach to someone else's cluster by accident. Its
+                # auth mode is decided here, as for every private instance, so a token file in
+                # ~/.ray does not turn token auth (and Ray's warning about it) on.
+                from kvstore.cluster.address import auth_mode_for_private_ray
+
+                os.environ.setdefault("RAY_AUTH_MODE", auth_mode_for_private_ray())
                 ray.init(address="local", namespace=RAY_NAMESPACE,
                          include_dashboard=False,
                          logging_level=logging.WARNING, log_to_driver=False)
