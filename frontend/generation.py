@@ -9,6 +9,7 @@ store neither read nor written: the ``--no-cache`` reference, through the same A
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -136,6 +137,7 @@ class Generator:
         count = 0
         stream = None
         first_seen = False
+        finished = False  # the decode stream ran to its end, or failed: nothing to cancel
         try:
             if p.call.use_cache:
                 try:
@@ -171,19 +173,26 @@ class Generator:
                 ttft = None if first_seen else time.perf_counter() - p.arrived
                 first_seen = True
                 if reason:
+                    finished = not text.stopped  # EOS and max_tokens end the engine too
                     yield Piece(delta + text.flush(), pieces, reason, ttft)
                     return
                 yield Piece(delta, pieces, None, ttft)
             p.usage.completion_tokens = count
+            finished = True
             yield Piece(text.flush(), [], "stop" if count < p.max_tokens else "length",
                         None if first_seen else time.perf_counter() - p.arrived)
         except APIError:
             raise
         except Exception as exc:  # noqa: BLE001 - a status for the client, before or mid-stream
+            finished = True
             raise replica_error(exc) from None
         finally:
-            if stream is not None:
-                stream.cancel()  # no-op when finished; else stops the engine, frees the KV
+            if stream is not None and not finished:
+                # The caller stopped early (stop string, disconnect): stop the engine, free
+                # the KV. Serve's cancel re-raises a refused assignment (BackPressureError),
+                # which was already answered above: never let it replace that answer.
+                with contextlib.suppress(Exception):
+                    stream.cancel()
 
 
 async def _tokens(first: list[int], stream: Any) -> AsyncIterator[list[int]]:
