@@ -16,6 +16,7 @@ from kvstore.cli import main
 from kvstore.config import load_config
 from kvstore.errors import ConfigError
 from tests.support.checkpoint import build_checkpoint
+from tests.support.cli_jobs import run, write_prompts
 from workers.model import generation_stop_ids, load_model
 from workers.prompts import parse_prompt_line, read_prompts
 from workers.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_for
@@ -73,15 +74,6 @@ def eos_case(base, hf_model, tmp_path_factory) -> tuple[Path, int, int]:
     return path, eos, n
 
 
-def write_prompts(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def run(capsys, *argv: str) -> tuple[int, list[dict]]:
-    rc = main(list(argv))
-    out = capsys.readouterr().out
-    return rc, [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
 def test_text_is_tokenized_by_the_model_dirs_own_tokenizer(base, tmp_path):

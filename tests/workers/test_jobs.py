@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvstore.cli import main
+from tests.support.cli_jobs import run, write_prompts
 
 FLAGS = ["--in-process", "--model", "tiny", "--block-size", "16", "--chunk-tokens", "32",
          "--max-new-tokens", "4", "--json"]
@@ -18,15 +19,6 @@ def make_prompt(n: int, seed: int = 0) -> list[int]:
     return torch.randint(0, 512, (n,), generator=g).tolist()
 
 
-def write_prompts(path, rows) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def run(capsys, *argv: str) -> tuple[int, list[dict]]:
-    rc = main(list(argv))
-    out = capsys.readouterr().out
-    return rc, [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
 def test_generate_cached_equals_no_cache(tmp_path, capsys):
