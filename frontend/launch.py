@@ -120,6 +120,18 @@ def _wait_ready(url: str, stop: threading.Event) -> None:
         stop.wait(0.5)
 
 
+def _shutdown_serve_if_unused(serve: Any) -> None:
+    """On a shared cluster, stop Serve's proxy and controller when no application is left.
+
+    A running Serve keeps its HTTP options: left up, it would make the next ``kvstore serve
+    --port P`` listen on the old port instead (Serve only warns). Other users' applications
+    keep it running.
+    """
+    with contextlib.suppress(Exception):
+        if not serve.status().applications:
+            serve.shutdown()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     config = make_config(args)
     check_model(config, args.tokenizer)
@@ -159,7 +171,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         with contextlib.suppress(Exception):
             serve.delete(APP_NAME)
-        if started_cluster:  # Serve itself goes with the private Ray, or stays for others
+        if started_cluster:  # Serve itself goes with the private Ray
             lifecycle.stop(config)
+        else:
+            _shutdown_serve_if_unused(serve)
         ray.shutdown()
     return 0

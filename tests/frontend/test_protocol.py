@@ -156,3 +156,26 @@ def test_shared_prefix_and_waiting_for_the_prefill_that_computes_it() -> None:
     asyncio.run(main())
     assert order.index("b+") > order.index("a-")
     assert order.index("c+") < order.index("a-") and order.index("d+") < order.index("a-")
+
+
+def test_serve_is_stopped_on_a_shared_cluster_only_when_no_application_is_left() -> None:
+    """A Serve left running keeps its HTTP options, so the next `kvstore serve --port P` would
+    listen on the old port: ours stops it when it was the last application, never others'."""
+    from types import SimpleNamespace
+
+    from frontend.launch import _shutdown_serve_if_unused
+
+    class FakeServe:
+        def __init__(self, apps: dict) -> None:
+            self.apps, self.stopped = apps, False
+
+        def status(self) -> SimpleNamespace:
+            return SimpleNamespace(applications=self.apps)
+
+        def shutdown(self) -> None:
+            self.stopped = True
+
+    alone, shared = FakeServe({}), FakeServe({"someone-else": object()})
+    _shutdown_serve_if_unused(alone)
+    _shutdown_serve_if_unused(shared)
+    assert alone.stopped and not shared.stopped
