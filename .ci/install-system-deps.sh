@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # System packages the integration tests need: redis-server (private index per test), iproute2
 # (network namespaces for the multi-host tests) and openssh-server (`ray up` over SSH into those
-# namespaces). Idempotent and quiet: installs only what is missing, prints one line if it does.
+# namespaces), curl (the README's HTTP example). Idempotent and quiet: installs only what is missing, prints one line if it does.
 set -euo pipefail
 
 need=()
@@ -10,6 +10,7 @@ command -v ip >/dev/null 2>&1 || need+=(iproute2)
 [ -x /usr/sbin/sshd ] || need+=(openssh-server)
 command -v ssh >/dev/null 2>&1 || need+=(openssh-client)
 command -v rsync >/dev/null 2>&1 || need+=(rsync)  # `ray up` file_mounts use rsync
+command -v curl >/dev/null 2>&1 || need+=(curl)  # the README's `kvstore serve` example
 
 if [ "${#need[@]}" -eq 0 ]; then
   exit 0

@@ -1,12 +1,16 @@
-"""Overload: past its replicas' ongoing and queued limits the server answers 503 at once, in
-OpenAI's error shape with ``Retry-After``, and goes on serving once the burst has passed."""
+"""A server on the ``tiny`` preset, unauthenticated, as the README starts it: its examples print
+what the README shows, and past its replicas' ongoing and queued limits it answers 503 at once,
+in OpenAI's error shape with ``Retry-After``, and goes on serving once the burst has passed."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import json
+import re
+import subprocess
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -64,3 +68,28 @@ def test_a_burst_past_the_limits_gets_503_and_the_rest_is_served(server) -> None
                                      temperature=0).usage.completion_tokens == 2
     with urllib.request.urlopen(f"{server.url}/health", timeout=30) as reply:
         assert json.loads(reply.read())["status"] == "ok"
+
+
+def _readme_blocks() -> tuple[str, str]:
+    """The README's serve example: its curl line and its openai snippet (with its output)."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text[text.index("## Serve it over HTTP"):text.index("## From Python")]
+    bash = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    python = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return bash, python
+
+
+def test_the_readme_examples_do_what_the_readme_says(server, capsys) -> None:
+    bash, python = _readme_blocks()
+    curl = bash[bash.index("curl"):].replace("\\\n", " ").replace(
+        "http://127.0.0.1:8000", server.url)
+    reply = subprocess.run(["bash", "-c", curl.strip()], capture_output=True, text=True,
+                           timeout=120, check=True)
+    body = json.loads(reply.stdout)
+    assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] == 8
+    code = python.replace("http://127.0.0.1:8000", server.url)
+    exec(compile(code, "README.md", "exec"), {})  # noqa: S102 - the README's own example
+    printed = capsys.readouterr().out.split()
+    shown = " ".join(line.lstrip("# ") for line in code.splitlines()
+                     if line.startswith("# ")).split()
+    assert printed == shown
