@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # System packages the integration tests need: redis-server (private index per test), iproute2
 # (network namespaces for the multi-host tests) and openssh-server (`ray up` over SSH into those
-# namespaces), curl (the README's HTTP example). Idempotent and quiet: installs only what is missing, prints one line if it does.
+# namespaces), curl (the README's HTTP example). Idempotent and quiet: installs only what is
+# missing, prints one line if it does.
 set -euo pipefail
 
 need=()
