@@ -27,6 +27,7 @@ from frontend import metrics
 from frontend.generation import Generator, Piece, Prepared
 from frontend.protocol import APIError, Endpoint, ModelCard, parse_request
 from frontend.responses import Outcome, ResponseBuilder, sse
+from frontend.routing import PrefixLocator
 from kvstore.config import KVStoreConfig
 from workers.tokenizer import tokenizer_for
 
@@ -63,7 +64,8 @@ class OpenAIServer:
         # A shared prefix of at least one prefill chunk is worth waiting for.
         self.generator = Generator(card, self.tokenizer, prefill, decode, eos_ids,
                                    config.serve.default_max_tokens,
-                                   config.worker.prefill_chunk_tokens)
+                                   config.worker.prefill_chunk_tokens,
+                                   PrefixLocator(config, prefill))
         self.prefill = prefill
         self.decode = decode
 
@@ -88,7 +90,8 @@ class OpenAIServer:
                                  f"{exc}"[:500]}, status_code=503)
         return JSONResponse({"status": "ok", "model": self.card.name, "prefill": prefill,
                              "decode": decode,
-                             "coalesced_prefills": self.generator.prefills.waited})
+                             "coalesced_prefills": self.generator.prefills.waited,
+                             "routed_by_prefix": self.generator.locator.located})
 
     @api.get("/metrics")
     async def prometheus(self) -> Response:

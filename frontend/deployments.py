@@ -15,12 +15,13 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ray import serve
 
 from kvstore.config import KVStoreConfig
+from kvstore.keys import Namespace
 from workers.decode import DecodeWorker
 from workers.engine import PrefillResult, SamplingParams, TailKV
 from workers.prefill import PrefillWorker
@@ -42,6 +43,8 @@ class EngineCall:
     sampling: SamplingParams
     cache_salt: str | None = None
     use_cache: bool = True
+    #: Blocks of the prompt's cached prefix per store node, for ``frontend.routing``.
+    node_blocks: dict[str, int] = field(default_factory=dict)
 
 
 def _replica_tag(kind: str) -> str:
@@ -92,6 +95,10 @@ class PrefillServer(_ServeReplica):
         worker = PrefillWorker(config, cluster_store_factory(config), _replica_tag("prefill"))
         super().__init__(worker, config.serve.max_ongoing_requests)
         self.prefill_worker = worker
+
+    async def namespace(self, cache_salt: str | None) -> Namespace:
+        """The namespace this replica publishes a tenant's blocks in (for routing lookups)."""
+        return self.prefill_worker.engine.hasher_for(cache_salt).namespace
 
     async def prefill(self, call: EngineCall) -> PrefillResult:
         return await self._run(call.request_id, lambda: self.prefill_worker.prefill(

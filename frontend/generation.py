@@ -74,8 +74,9 @@ class Generator:
 
     def __init__(self, card: ModelCard, tokenizer: Tokenizer, prefill: Any, decode: Any,
                  eos_ids: tuple[int, ...], default_max_tokens: int,
-                 coalesce_tokens: int = 256) -> None:
+                 coalesce_tokens: int = 256, locator: Any = None) -> None:
         self.card = card
+        self.locator = locator  # frontend.routing.PrefixLocator, or None: Serve's routing
         self.prefills = InFlightPrefills(coalesce_tokens)
         self.tokenizer = tokenizer
         self.prefill = prefill
@@ -140,6 +141,9 @@ class Generator:
         finished = False  # the decode stream ran to its end, or failed: nothing to cancel
         try:
             if p.call.use_cache:
+                if self.locator is not None:
+                    p.call.node_blocks = await self.locator.locate(p.call.cache_salt,
+                                                                   p.prompt_ids)
                 try:
                     async with self.prefills.turn(p.request_id, p.call.cache_salt,
                                                   p.prompt_ids):

@@ -80,7 +80,11 @@ def build_app(config: KVStoreConfig, tokenizer_path: str | None) -> Any:
 
     def scaled(replicas: int) -> dict[str, Any]:
         opts: dict[str, Any] = {"max_ongoing_requests": sc.max_ongoing_requests,
-                                "max_queued_requests": sc.max_queued_requests}
+                                "max_queued_requests": sc.max_queued_requests,
+                                # The prefix's node first, then Serve's own choice.
+                                "request_router_config": {"request_router_class":
+                                                          "frontend.routing."
+                                                          "PrefixAffinityRouter"}}
         if sc.autoscaling:
             opts["autoscaling_config"] = {
                 "min_replicas": sc.min_replicas, "max_replicas": sc.max_replicas,

@@ -218,6 +218,11 @@ class WorkerConfig:
                f"worker.reuse must be one of {list(get_args(ReuseMode))}, got {self.reuse!r}")
 
 
+#: Whether the HTTP front end looks a prompt's prefix up to route it to the node holding it:
+#: ``auto`` when Ray has more than one node, ``always``, or ``off`` (Serve's own routing).
+PrefixRouting = Literal["auto", "always", "off"]
+
+
 @dataclass(slots=True)
 class ServeConfig:
     """``kvstore serve``: the OpenAI-compatible HTTP front end and its Ray Serve replicas.
@@ -243,9 +248,13 @@ class ServeConfig:
     max_queued_requests: int = 64
     default_max_tokens: int = 256
     max_stop_sequences: int = 4
+    prefix_routing: PrefixRouting = "auto"
 
     def __post_init__(self) -> None:
         _check(0 <= self.port < 65536, "serve.port must be in [0, 65535]")
+        _check(self.prefix_routing in get_args(PrefixRouting),
+               f"serve.prefix_routing must be one of {list(get_args(PrefixRouting))}, got "
+               f"{self.prefix_routing!r}")
         for name in ("prefill_replicas", "decode_replicas", "min_replicas",
                      "max_ongoing_requests", "max_queued_requests", "default_max_tokens",
                      "max_stop_sequences"):

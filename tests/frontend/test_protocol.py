@@ -179,3 +179,36 @@ def test_serve_is_stopped_on_a_shared_cluster_only_when_no_application_is_left()
     _shutdown_serve_if_unused(alone)
     _shutdown_serve_if_unused(shared)
     assert alone.stopped and not shared.stopped
+
+
+def test_replicas_on_the_node_holding_the_prefix_rank_first() -> None:
+    from types import SimpleNamespace
+
+    from frontend.deployments import EngineCall
+    from frontend.routing import PrefixAffinityRouter, node_blocks, rank_by_blocks
+    from workers.engine import SamplingParams
+
+    holders = [["n1", "n2"], ["n1"], ["n1", "n3"], ["n2"]]
+    assert node_blocks(holders, 3) == {"n1": 3, "n2": 1, "n3": 1}
+    replicas = [SimpleNamespace(node_id=n, name=f"r-{n}") for n in ("n2", "n1", "n1", "n3")]
+    assert [r.name for r in rank_by_blocks(replicas, {"n1": 3, "n2": 1})] == ["r-n1", "r-n1"]
+    assert rank_by_blocks(replicas, {"elsewhere": 4}) == []
+
+    class Router(PrefixAffinityRouter):  # Serve's own ranking stubbed: only ours is tested
+        def __init__(self) -> None:
+            pass
+
+    async def serve_ranks(self, candidates, pending=None):
+        return [candidates[:2]]
+
+    PrefixAffinityRouter.__bases__[0].choose_replicas, saved = \
+        serve_ranks, PrefixAffinityRouter.__bases__[0].choose_replicas
+    try:
+        call = EngineCall("r", [1, 2], SamplingParams(), node_blocks={"n3": 2})
+        ranks = asyncio.run(Router().choose_replicas(replicas, SimpleNamespace(args=[call])))
+        assert [[r.name for r in rank] for rank in ranks] == [["r-n3"], ["r-n2", "r-n1"]]
+        call.node_blocks = {}
+        ranks = asyncio.run(Router().choose_replicas(replicas, SimpleNamespace(args=[call])))
+        assert [[r.name for r in rank] for rank in ranks] == [["r-n2", "r-n1"]]
+    finally:
+        PrefixAffinityRouter.__bases__[0].choose_replicas = saved

@@ -74,7 +74,8 @@ def server(checkpoint, tmp_path_factory):
     path, _ = checkpoint
     work = tmp_path_factory.mktemp("serve")
     (work / "kvstore.yaml").write_text("pool:\n  capacity_bytes: 64MiB\n"
-                                       "serve:\n  max_ongoing_requests: 8\n")
+                                       "serve:\n  max_ongoing_requests: 8\n"
+                                       "  prefix_routing: always\n")
     proc = start_serve(["--model", str(path), "--block-size", "16", "--chunk-tokens", "32",
                         "--threads", "1", "--config", str(work / "kvstore.yaml")], work,
                        env={"KVSTORE_SERVE_API_KEY": API_KEY})
@@ -212,7 +213,9 @@ def test_sixteen_concurrent_requests_share_the_system_prompt(server, reference) 
     cached = [o.usage.prompt_tokens_details.cached_tokens for o in outs]
     # One computes the shared prompt; the others wait for it or come later, and reuse it.
     assert sum(c > 0 for c in cached) >= 15, cached
-    assert health(server)["coalesced_prefills"] > 0
+    state = health(server)
+    assert state["coalesced_prefills"] > 0
+    assert state["routed_by_prefix"] > 0  # the locator found the prefix for the router
     for q, out in zip(QUESTIONS, outs, strict=True):
         assert out.choices[0].model_dump()["token_ids"] == run(hf_ids(tok, chat(q)), 4)
 
