@@ -15,7 +15,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -152,7 +152,7 @@ class OpenAIServer:
                 metrics.IN_FLIGHT.dec()
                 metrics.record_request(endpoint, status)
 
-    async def _collect(self, p: Prepared, first: Piece, pieces: AsyncIterator[Piece]
+    async def _collect(self, p: Prepared, first: Piece, pieces: AsyncGenerator[Piece, None]
                        ) -> Outcome:
         out = Outcome(prompt_token_ids=p.prompt_ids)
         ttft = first.ttft_s
@@ -171,7 +171,8 @@ class OpenAIServer:
         return out
 
     async def _events(self, endpoint: Endpoint, builder: ResponseBuilder, p: Prepared,
-                      first: Piece, pieces: AsyncIterator[Piece]) -> AsyncIterator[bytes]:
+                      first: Piece, pieces: AsyncGenerator[Piece, None]
+                      ) -> AsyncIterator[bytes]:
         """The SSE body; a disconnect cancels this generator, and with it the request."""
         status = "cancelled"
         try:

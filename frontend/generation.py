@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,7 +126,7 @@ class Generator:
         prepared.usage.prompt_tokens = len(ids)
         return prepared
 
-    async def run(self, p: Prepared, stop: list[str]) -> AsyncIterator[Piece]:
+    async def run(self, p: Prepared, stop: list[str]) -> AsyncGenerator[Piece, None]:
         """The request's text as it is generated; the last piece has the finish reason.
 
         Every failure is an ``APIError``: before the first piece an HTTP status can still be

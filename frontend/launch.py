@@ -94,10 +94,14 @@ def build_app(config: KVStoreConfig, tokenizer_path: str | None) -> Any:
             opts["num_replicas"] = replicas
         return opts
 
-    prefill = PrefillServer.options(**scaled(sc.prefill_replicas)).bind(config)
-    decode = DecodeServer.options(**scaled(sc.decode_replicas)).bind(config)
+    # Serve's decorator turns the classes into Deployments, which mypy cannot see.
+    prefill = PrefillServer.options(  # type: ignore[attr-defined]
+        **scaled(sc.prefill_replicas)).bind(config)
+    decode = DecodeServer.options(  # type: ignore[attr-defined]
+        **scaled(sc.decode_replicas)).bind(config)
     eos = tuple(generation_stop_ids(config.worker.model))
-    return OpenAIServer.bind(model_card(config), config, tokenizer_path, eos, prefill, decode)
+    return OpenAIServer.bind(  # type: ignore[attr-defined]
+        model_card(config), config, tokenizer_path, eos, prefill, decode)
 
 
 def check_model(config: KVStoreConfig, tokenizer_path: str | None) -> None:
