@@ -30,8 +30,9 @@ from benchmarks.common import parse_args, report
 from kvstore.api import KVStore
 from kvstore.config import KVStoreConfig, WorkerConfig
 from kvstore.local import LocalStore
-from workers.engine import Engine, SamplingParams
+from workers.engine import Engine
 from workers.model import load_model
+from workers.sampling import SamplingParams
 from workers.scheduler import RequestOutput
 from workers.serving import Deployment
 

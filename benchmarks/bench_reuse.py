@@ -31,9 +31,10 @@ import torch
 from benchmarks.common import parse_args, report
 from kvstore.config import WorkerConfig
 from kvstore.local import LocalStore
-from workers.engine import Engine, SamplingParams
+from workers.engine import Engine
 from workers.model import load_model
 from workers.reuse import ReusePolicy
+from workers.sampling import SamplingParams
 
 
 def naive_policy(chunk_tokens: int) -> ReusePolicy:

@@ -23,9 +23,10 @@ from ray import serve
 from kvstore.config import KVStoreConfig
 from kvstore.keys import Namespace
 from workers.decode import DecodeWorker
-from workers.engine import PrefillResult, SamplingParams, TailKV
+from workers.engine import PrefillResult, TailKV
 from workers.prefill import PrefillWorker
 from workers.replica import Replica, cluster_store_factory
+from workers.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -24,7 +24,7 @@ from frontend.detokenize import TextStream
 from frontend.protocol import APIError, GenerationRequest, ModelCard
 from frontend.responses import Usage
 from kvstore.errors import ConfigError, RequestCancelled
-from workers.engine import SamplingParams
+from workers.sampling import SamplingParams
 from workers.tokenizer import Tokenizer
 
 

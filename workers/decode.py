@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvstore.api import TokenIds
-from workers.engine import DecodeResult, PrefillResult, SamplingParams, TailKV
+from workers.engine import DecodeResult, PrefillResult, TailKV
 from workers.replica import Replica
+from workers.sampling import SamplingParams
 
 
 class DecodeWorker(Replica):

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstore.config import KVStoreConfig
-from workers.engine import SamplingParams
+from workers.sampling import SamplingParams
 from workers.serving import Deployment
 
 

@@ -38,28 +38,7 @@ from kvstore.keys import BlockHasher, Namespace
 from workers.model import CausalLM
 from workers.paged_kv import gather_blocks, scatter_blocks
 from workers.reuse import ReusePolicy, choose_policy
-
-
-@dataclass(slots=True)
-class SamplingParams:
-    """How tokens are picked: greedy when ``temperature == 0``, else seeded sampling.
-
-    ``max_new_tokens == 0`` is a cache warm-up: the prompt is prefilled and its blocks are
-    published, and no token is returned.
-    """
-
-    max_new_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    sampling_seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise ConfigError(f"max_new_tokens must be >= 0 (0: prefill and publish only), "
-                              f"got {self.max_new_tokens}")
-        if self.temperature < 0 or self.top_k < 0:
-            raise ConfigError("temperature and top_k must be >= 0")
+from workers.sampling import SamplingParams, pick_token
 
 
 @dataclass(slots=True)
@@ -135,18 +114,6 @@ class _Fetch:
         for node in self.nodes:
             out[node] = out.get(node, 0) + 1
         return out
-
-
-def pick_token(logits: torch.Tensor, sampling: SamplingParams, step: int) -> int:
-    """Greedy or seeded sampling; the seed depends on the step only, so any replica agrees."""
-    if sampling.temperature == 0:
-        return int(torch.argmax(logits))
-    scaled = logits.double() / sampling.temperature
-    if sampling.top_k:
-        kth = torch.topk(scaled, min(sampling.top_k, scaled.numel())).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    gen = torch.Generator().manual_seed(sampling.sampling_seed * 1_000_003 + step)
-    return int(torch.multinomial(torch.softmax(scaled, dim=-1), 1, generator=gen))
 
 
 class Engine:

@@ -23,10 +23,10 @@ from rich.table import Table
 
 from kvstore.config import KVStoreConfig, load_config
 from kvstore.errors import ConfigError
-from workers.engine import SamplingParams
 from workers.job_args import register  # noqa: F401  (the parser: torch-free)
 from workers.model import generation_stop_ids
 from workers.prompts import read_prompts  # noqa: F401  (workers.prompt_keys imports it here)
+from workers.sampling import SamplingParams
 from workers.scheduler import JobKind
 from workers.serving import Deployment, RequestOutput, parse_resource
 from workers.tokenizer import ByteTokenizer, tokenizer_for

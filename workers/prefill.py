@@ -7,8 +7,9 @@ Request flow step 2 of docs/design.md §4. A plain class: in-process as it is, o
 from __future__ import annotations
 
 from kvstore.api import TokenIds
-from workers.engine import PrefillResult, SamplingParams
+from workers.engine import PrefillResult
 from workers.replica import Replica
+from workers.sampling import SamplingParams
 
 
 class PrefillWorker(Replica):

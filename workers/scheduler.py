@@ -22,8 +22,9 @@ from typing import Any, Literal, Protocol
 
 from kvstore.api import PrefixHit
 from kvstore.keys import BlockKey
-from workers.engine import DecodeResult, PrefillResult, SamplingParams
+from workers.engine import DecodeResult, PrefillResult
 from workers.router import Router
+from workers.sampling import SamplingParams
 
 #: ``reference`` is ``generate --no-cache``: each prompt computed once, on a decode replica.
 JobKind = Literal["prefill", "decode", "generate", "reference"]

@@ -24,10 +24,10 @@ from kvstore.errors import ConfigError, NodeUnavailable
 from kvstore.keys import BlockHasher
 from kvstore.local import LocalStore
 from workers.decode import DecodeWorker
-from workers.engine import SamplingParams
 from workers.prefill import PrefillWorker
 from workers.replica import cluster_store_factory, replica_actor
 from workers.router import ReplicaSlot, Router
+from workers.sampling import SamplingParams
 from workers.scheduler import InlineCalls, JobKind, RayCalls, RequestOutput, Scheduler
 
 #: Requests in flight on one replica at most: one computing, one fetching or queued behind it.

@@ -186,7 +186,7 @@ def test_replicas_on_the_node_holding_the_prefix_rank_first() -> None:
 
     from frontend.deployments import EngineCall
     from frontend.routing import PrefixAffinityRouter, node_blocks, rank_by_blocks
-    from workers.engine import SamplingParams
+    from workers.sampling import SamplingParams
 
     holders = [["n1", "n2"], ["n1"], ["n1", "n3"], ["n2"]]
     assert node_blocks(holders, 3) == {"n1": 3, "n2": 1, "n3": 1}

@@ -24,8 +24,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from kvstore.config import WorkerConfig
 from tests.support.checkpoint import build_checkpoint
 from tests.support.serve_process import ServeProcess, start_serve
-from workers.engine import Engine, SamplingParams
+from workers.engine import Engine
 from workers.model import load_model
+from workers.sampling import SamplingParams
 
 pytestmark = pytest.mark.ray
 

@@ -19,8 +19,9 @@ from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError, RequestCancelled
 from kvstore.keys import Namespace
 from kvstore.local import LocalStore
-from workers.engine import Engine, SamplingParams
+from workers.engine import Engine
 from workers.model import load_model
+from workers.sampling import SamplingParams
 
 BS, CHUNK = 16, 32
 SAMPLING = SamplingParams(max_new_tokens=6)

@@ -17,8 +17,9 @@ import torch
 from kvstore.config import WorkerConfig
 from kvstore.local import LocalStore
 from workers import reuse
-from workers.engine import Engine, SamplingParams
+from workers.engine import Engine
 from workers.model import load_model
+from workers.sampling import SamplingParams
 
 SAMPLING = SamplingParams(max_new_tokens=4)
 

@@ -12,8 +12,9 @@ import pytest
 from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError
 from tests.workers.test_serving import SAMPLING, make_config, make_prompt
-from workers.engine import Engine, SamplingParams
+from workers.engine import Engine
 from workers.model import load_model
+from workers.sampling import SamplingParams
 from workers.scheduler import InlineCalls
 from workers.serving import Deployment
 

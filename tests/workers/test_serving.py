@@ -9,9 +9,10 @@ from kvstore.api import PrefixHit
 from kvstore.config import KVStoreConfig, WorkerConfig
 from kvstore.errors import ConfigError, NodeUnavailable
 from kvstore.keys import BlockHasher
-from workers.engine import Engine, SamplingParams
+from workers.engine import Engine
 from workers.model import load_model
 from workers.router import ReplicaSlot, Router
+from workers.sampling import SamplingParams
 from workers.serving import Deployment
 
 SAMPLING = SamplingParams(max_new_tokens=5)
