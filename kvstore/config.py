@@ -76,11 +76,28 @@ class ServerConfig:
     port: int = 0
     bulk_port: int = 0
     advertise_host: str | None = None
+    # The cluster token: the root credential (admin, every tenant). Tenant credentials
+    # (kvstore.security.grants) are signed with a key derived from it. Unset disables auth,
+    # which `kvstore start` refuses off loopback unless security.insecure says so.
     auth_token: str | None = None
+    # Still accepted while `kvstore rotate-credentials` hands the new token out.
+    previous_auth_token: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    # The same as PEM text, handed to a store node by the code that starts it (per-node
+    # certificates issued by the cluster's private CA); the *_file settings win if both are set.
+    tls_cert_pem: str | None = None
+    tls_key_pem: str | None = None
     max_message_bytes: int = 64 << 20
     max_workers: int = 8
+    # Resource bounds a hostile or broken client cannot exceed (docs/security.md).
+    max_block_bytes: int = 256 << 20  # one block's encoded size; a namespace above it is refused
+    max_concurrent_rpcs: int = 64  # gRPC calls in flight; beyond: RESOURCE_EXHAUSTED at once
+    max_concurrent_puts: int = 4  # Put streams at once: reads always keep workers of their own
+    put_idle_timeout_s: float = 10.0  # a Put stream silent this long is cancelled
+    max_bulk_connections: int = 256  # bulk channel connections open at once, all peers
+    max_bulk_connections_per_peer: int = 32  # ... from one peer address
+    max_lease_ttl_s: float = 300.0  # a lease asked for longer is clamped to this
     # Prometheus /metrics of the node: 0 picks a free port (shown by `kvstore status`), None
     # turns it off; loopback unless metrics_host says otherwise.
     metrics_port: int | None = 0
@@ -96,6 +113,20 @@ class ServerConfig:
                "server.tls_cert_file and server.tls_key_file must be set together")
         _check(self.max_message_bytes >= 4 << 20, "server.max_message_bytes must be >= 4MiB")
         _check(self.max_workers >= 1, "server.max_workers must be >= 1")
+        self.max_block_bytes = parse_size(self.max_block_bytes)
+        _check(self.max_block_bytes >= 4096, "server.max_block_bytes must be >= 4KiB")
+        _check((self.tls_cert_pem is None) == (self.tls_key_pem is None),
+               "server.tls_cert_pem and server.tls_key_pem must be set together")
+        for name in ("max_concurrent_rpcs", "max_concurrent_puts", "max_bulk_connections",
+                     "max_bulk_connections_per_peer"):
+            _check(getattr(self, name) >= 1, f"server.{name} must be >= 1")
+        _check(self.put_idle_timeout_s > 0, "server.put_idle_timeout_s must be > 0 seconds")
+        _check(self.max_lease_ttl_s > 0, "server.max_lease_ttl_s must be > 0 seconds")
+
+    @property
+    def tls_enabled(self) -> bool:
+        return bool((self.tls_cert_file and self.tls_key_file)
+                    or (self.tls_cert_pem and self.tls_key_pem))
 
 
 @dataclass(slots=True)
@@ -104,8 +135,10 @@ class ClientConfig:
 
     timeout_s: float = 30.0
     retries: int = 2
+    # The cluster token, or a tenant credential from `kvstore credentials issue`.
     auth_token: str | None = None
     tls_ca_file: str | None = None
+    tls_ca_pem: str | None = None  # the CA as PEM text (handed out by `kvstore start`)
     max_message_bytes: int = 64 << 20
     node_id: str | None = None
     # A bulk read of many blocks goes out as requests of this many blocks, this many in flight
@@ -138,6 +171,10 @@ class IndexConfig:
     redis_url: str | None = None
     key_prefix: str = "kvstore:"
     redis_ca_file: str | None = None  # CA bundle for rediss:// (TLS) with a private CA
+    # The Redis password, kept out of redis_url (and so out of argv and `ps`): a file holding
+    # it, or KVSTORE_INDEX_REDIS_PASSWORD. A password inside redis_url still works.
+    redis_password_file: str | None = None
+    redis_password: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.backend in get_args(IndexBackend),
@@ -181,6 +218,31 @@ class CoordinatorConfig:
         _check(self.lease_ttl_s > 0, "coordinator.lease_ttl_s must be > 0")
         _check(self.node_timeout_s > self.heartbeat_interval_s > 0,
                "coordinator.node_timeout_s must exceed heartbeat_interval_s > 0")
+
+
+@dataclass(slots=True)
+class SecurityConfig:
+    """Secrets and the secure-by-default switch (docs/security.md).
+
+    ``data_key`` (hex) is the cluster's data secret: it is mixed into every namespace root (so
+    nobody outside can precompute a public prompt's keys) and every tenant's block MAC key (so
+    a block verifies only if a holder of that tenant's key wrote it). It is not rotated with the
+    auth token: blocks stay valid across `kvstore rotate-credentials`. Unset (the embedded
+    default on loopback): public roots and an xxh3 checksum, as before.
+    """
+
+    insecure: bool = False  # run a cluster without auth and TLS on purpose (logged loudly)
+    secrets_dir: str | None = None  # where `kvstore start` keeps and finds the cluster secrets
+    data_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.data_key is not None:
+            try:
+                raw = bytes.fromhex(self.data_key)
+            except ValueError:
+                raw = b""
+            _check(len(raw) >= 16, "security.data_key must be at least 32 hex digits "
+                   "(16 bytes); `kvstore start` generates one")
 
 
 #: How a worker reuses cached blocks (``workers.reuse``): ``exact`` (bitwise equal to
@@ -277,6 +339,7 @@ class KVStoreConfig:
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:

@@ -55,6 +55,11 @@ class Unauthenticated(KVStoreError):
     """The caller's auth token is missing or wrong."""
 
 
+class PermissionDenied(KVStoreError):
+    """The caller is authenticated but its credential does not grant this tenant or call
+    (another tenant's blocks, a write with a read-only credential, an admin call)."""
+
+
 class NodeUnavailable(KVStoreError):
     """A store node or the coordinator could not be reached before the deadline."""
 

@@ -22,7 +22,8 @@ PACKAGES = ("kvstore", "workers", "frontend")
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ground", ("kvstore.errors", "kvstore.constants", "kvstore.config", "kvstore.keys",
                 "kvstore.block", "kvstore.block_batch", "kvstore.ops", "kvstore.api",
-                "kvstore.metrics", "kvstore.reader_metrics", "kvstore.gc_tuning")),
+                "kvstore.metrics", "kvstore.reader_metrics", "kvstore.gc_tuning",
+                "kvstore.security")),
     ("index", ("kvstore.index",)),
     ("node", ("kvstore.node",)),
     ("coordinator", ("kvstore.coordinator",)),

@@ -27,6 +27,7 @@ from kvstore.errors import (
     LeaseExpired,
     NamespaceMismatch,
     NodeUnavailable,
+    PermissionDenied,
     PoolFull,
     RequestCancelled,
     RequestTooLarge,
@@ -45,6 +46,7 @@ _STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (BlockNotFound, grpc.StatusCode.NOT_FOUND),
     (LeaseExpired, grpc.StatusCode.FAILED_PRECONDITION),
     (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (BlockCorrupted, grpc.StatusCode.INVALID_ARGUMENT),
     (BlockMismatch, grpc.StatusCode.INVALID_ARGUMENT),
     (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -54,12 +56,13 @@ _STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
 _ERROR_BY_NAME: dict[str, type[KVStoreError]] = {
     cls.__name__: cls
     for cls in (BlockCorrupted, BlockMismatch, NamespaceMismatch, BlockNotFound, ConfigError,
-                PoolFull, RequestTooLarge, LeaseExpired, Unauthenticated)
+                PoolFull, RequestTooLarge, LeaseExpired, Unauthenticated, PermissionDenied)
 }
 #: Client side: the error a status code stands for when the message names no known class
 #: (gRPC's own failures: deadlines, cancellations, a peer that is not a store node).
 _ERROR_BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.RESOURCE_EXHAUSTED: RequestTooLarge,
     grpc.StatusCode.NOT_FOUND: BlockNotFound,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
