@@ -9,6 +9,7 @@ never Python's ``hash()``, so keys are the same on every machine and every run.
 from __future__ import annotations
 
 import hashlib
+import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NewType
@@ -48,6 +49,9 @@ class Namespace:
     head_dim: int
     cache_salt: str = ""
     schema_version: int = SCHEMA_VERSION
+    # The cluster's data secret (security.data_key), never encoded or sent: with it the root is
+    # a keyed hash, so nobody without it can precompute a public prompt's keys (docs/security.md).
+    data_key: bytes | None = field(default=None, repr=False)
     _root: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -61,7 +65,11 @@ class Namespace:
                 raise ConfigError(f"namespace {name} must be a positive int, got {value!r}")
         if not self.model_fingerprint:
             raise ConfigError("namespace model_fingerprint must not be empty")
-        object.__setattr__(self, "_root", hashlib.sha256(self.encode()).digest())
+        if self.data_key is None:
+            root = hashlib.sha256(self.encode()).digest()
+        else:
+            root = hmac.new(root_key(self.data_key), self.encode(), hashlib.sha256).digest()
+        object.__setattr__(self, "_root", root)
 
     def encode(self) -> bytes:
         """The canonical encoding: msgpack of the fields in the order docs/design.md §3.1 fixes."""
@@ -115,6 +123,11 @@ class Namespace:
     @classmethod
     def from_dict(cls, fields: dict[str, object]) -> Namespace:
         return cls(**fields)  # type: ignore[arg-type]
+
+
+def root_key(data_key: bytes) -> bytes:
+    """The key namespace roots are hashed under, derived from the cluster's data secret."""
+    return hmac.new(data_key, b"kvstore namespace root v1", hashlib.sha256).digest()
 
 
 def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:

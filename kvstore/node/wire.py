@@ -35,6 +35,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import Namespace
 from kvstore.reader_metrics import ReaderTally
+from kvstore.security.tls import client_ca, server_cert_and_key
 from protos import kvstore_pb2 as pb
 
 AUTH_HEADER = "authorization"
@@ -111,11 +112,9 @@ def start_grpc_server(config: ServerConfig, port: int, add_servicer: Callable[[g
                          interceptors=interceptors, options=grpc_options(max_message_bytes))
     add_servicer(server)
     bind = f"{config.host}:{port}"
-    if config.tls_cert_file and config.tls_key_file:
-        with open(config.tls_key_file, "rb") as f:
-            key = f.read()
-        with open(config.tls_cert_file, "rb") as f:
-            cert = f.read()
+    pair = server_cert_and_key(config)
+    if pair is not None:
+        cert, key = pair
         bound = server.add_secure_port(bind, grpc.ssl_server_credentials([(key, cert)]))
     else:
         bound = server.add_insecure_port(bind)
@@ -127,12 +126,12 @@ def start_grpc_server(config: ServerConfig, port: int, add_servicer: Callable[[g
 
 def open_channel(address: str, config: ClientConfig, max_message_bytes: int,
                  tls_server_name: str | None = None) -> grpc.Channel:
-    """A channel to a kvstore gRPC server: TLS when ``config.tls_ca_file`` is set."""
+    """A channel to a kvstore gRPC server: TLS when the client has a CA (file or PEM)."""
     options: list[tuple[str, Any]] = list(grpc_options(max_message_bytes))
-    if not config.tls_ca_file:
+    ca = client_ca(config)
+    if ca is None:
         return grpc.insecure_channel(address, options=options)
-    with open(config.tls_ca_file, "rb") as f:
-        creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+    creds = grpc.ssl_channel_credentials(root_certificates=ca)
     if tls_server_name:
         options.append(("grpc.ssl_target_name_override", tls_server_name))
     return grpc.secure_channel(address, creds, options=options)
@@ -146,9 +145,10 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def namespace_from_spec(spec: pb.NamespaceSpec) -> Namespace:
-    """Rebuild the writer's namespace (raises ConfigError on nonsense fields)."""
-    return Namespace(
+def namespace_from_spec(spec: pb.NamespaceSpec, data_key: bytes | None = None) -> Namespace:
+    """Rebuild the writer's namespace (raises ConfigError on nonsense fields); ``data_key`` is
+    the node's copy of the cluster's data secret (the wire never carries it)."""
+    return Namespace(data_key=data_key,
         model_fingerprint=spec.model_fingerprint, dtype=spec.dtype, block_size=spec.block_size,
         num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         cache_salt=spec.cache_salt, schema_version=spec.schema_version,
