@@ -9,9 +9,13 @@
     +--------+-----------------+-----------------+------------------------------------------+
 
 Every header field has a fixed width (bytes, not variable-length ints), so a namespace fixes
-the block's total size: pools can hand out equal slots. The payload checksum is xxh3-64. A
-reader compares the header with what it asked for (namespace, key, tokens, layout) and the
-checksum with the bytes; any difference raises, so wrong KV never reaches a model.
+the block's total size: pools can hand out equal slots. The payload's tag is, in a keyed
+namespace (``Namespace(data_key=...)`` or ``tenant_key=``), a 16-byte MAC under the tenant's
+key bound to the block key (``kvstore.security.data_keys``): only a holder of that key can
+write a block a reader accepts. Unkeyed (the embedded default) it is the xxh3-64 checksum,
+which catches faults, not writers. A reader compares the header with what it asked for
+(namespace, key, tokens, layout) and the tag with the bytes; any difference raises, so wrong
+KV never reaches a model.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import struct
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -32,6 +37,7 @@ import xxhash
 from kvstore.constants import KEY_NBYTES, align_up
 from kvstore.errors import BlockCorrupted, BlockMismatch, NamespaceMismatch
 from kvstore.keys import DTYPES, Namespace, tokens_to_bytes
+from kvstore.security import data_keys
 
 _LEN = struct.Struct("<I")
 
@@ -50,7 +56,7 @@ class BlockHeader:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    checksum: bytes  # xxh3-64 of the payload, big-endian
+    checksum: bytes  # the payload's tag: keyed, its 16-byte MAC; else xxh3-64, big-endian
 
     def pack(self) -> bytes:
         return msgpack.packb(
@@ -107,7 +113,7 @@ def payload_offset(namespace: Namespace) -> int:
     """
     dummy = _header_for(
         namespace, b"\0" * KEY_NBYTES, b"\0" * KEY_NBYTES, b"\0" * (8 * namespace.block_size),
-        b"\0" * 8,
+        bytes(namespace.tag_nbytes),
     )
     return align_up(_LEN.size + len(dummy.pack()))
 
@@ -119,8 +125,33 @@ def block_nbytes(namespace: Namespace) -> int:
 
 
 def checksum(payload: memoryview | bytes | bytearray) -> bytes:
-    """xxh3-64 of the payload bytes, as 8 big-endian bytes."""
+    """xxh3-64 of the payload bytes, as 8 big-endian bytes (an unkeyed namespace's tag)."""
     return xxhash.xxh3_64_digest(payload)
+
+
+def payload_tag(namespace: Namespace, key: bytes, payload: object) -> bytes:
+    """The tag a block of ``namespace`` with ``key`` carries for ``payload`` (read in place):
+    the tenant's MAC bound to the root and key when the namespace is keyed, else xxh3-64."""
+    mac = namespace.mac_key
+    if mac is None:
+        return xxhash.xxh3_64_digest(payload)  # type: ignore[arg-type]
+    return data_keys.block_tag(mac, namespace.root, key, payload)
+
+
+def tag_matches(namespace: Namespace, key: bytes, payload: object, tag: bytes) -> bool:
+    """Whether ``tag`` is the right tag of ``payload`` (constant time for a MAC)."""
+    if len(tag) != namespace.tag_nbytes:
+        return False
+    want = payload_tag(namespace, key, payload)
+    return data_keys.tags_equal(want, tag) if namespace.keyed else want == tag
+
+
+def tag_hasher(namespace: Namespace, key: bytes) -> Any:
+    """An incremental ``payload_tag``: ``update(chunk)`` then ``digest()``."""
+    mac = namespace.mac_key
+    if mac is None:
+        return xxhash.xxh3_64()
+    return data_keys.TagHasher(mac, namespace.root, key)
 
 
 def _as_bytes_view(buf: object) -> memoryview:
@@ -166,8 +197,8 @@ def encode_block_into(
 ) -> int:
     """Write one block into ``buf`` (a caller-given writable buffer); returns bytes written.
 
-    The payload is copied once, straight into its place, and the checksum is computed from
-    the written bytes.
+    The payload is copied once, straight into its place, and the tag (MAC or checksum) is
+    computed from the written bytes.
     """
     if tuple(payload.shape) != namespace.payload_shape:
         raise ValueError(
@@ -192,7 +223,7 @@ def encode_block_into(
     dst = payload_view(view, namespace)
     dst.copy_(payload.detach().to("cpu"))
     off = payload_offset(namespace)
-    digest = checksum(view[off : off + namespace.payload_nbytes])
+    digest = payload_tag(namespace, key, view[off : off + namespace.payload_nbytes])
     header = _header_for(namespace, key, parent_key, token_bytes, digest).pack()
     start = _LEN.size
     view[:start] = _LEN.pack(len(header))
@@ -227,7 +258,9 @@ def _read_header(view: memoryview) -> tuple[BlockHeader, int]:
     if _LEN.size + hlen > len(view):
         raise BlockCorrupted(f"block header length {hlen} runs past the {len(view)}-byte block")
     header = BlockHeader.unpack(view[_LEN.size : _LEN.size + hlen])
-    if not isinstance(header.key, bytes) or not isinstance(header.token_ids, bytes):
+    if not all(isinstance(f, bytes) for f in (header.namespace_root, header.key,
+                                              header.parent_key, header.token_ids,
+                                              header.checksum)):
         raise BlockCorrupted("block header fields have the wrong types")
     return header, hlen
 
@@ -237,8 +270,11 @@ def verify_block_self(buf: object, key: bytes) -> BlockHeader:
 
     Replication moves blocks of any namespace between store nodes, so the layout comes from the
     header itself: the header names ``key``, the parent key and tokens chain to it, and the
-    payload matches its checksum. Readers still check every block against their own namespace
-    (``verify_block``) when they use it.
+    payload is whole. An 8-byte tag is an xxh3 checksum and is checked. A 16-byte tag is a
+    tenant's MAC: the header names only the (keyed) root, not the tenant, so without the
+    tenant key it cannot be checked here, and is not; a damaged or forged copy is then caught
+    by every reader, which verifies the MAC against its own namespace (``verify_block``) before
+    the KV is used, and turns it into a miss. Any other tag width is refused.
     """
     view = _as_bytes_view(buf)
     header, hlen = _read_header(view)
@@ -252,7 +288,14 @@ def verify_block_self(buf: object, key: bytes) -> BlockHeader:
         raise BlockCorrupted(f"block {key.hex()[:16]} header has no valid layout")
     off = align_up(_LEN.size + hlen)
     end = off + math.prod(dims) * dtype.itemsize
-    if end > len(view) or checksum(view[off:end]) != header.checksum:
+    tag = header.checksum
+    if not isinstance(tag, bytes) or len(tag) not in (data_keys.CHECKSUM_NBYTES,
+                                                      data_keys.TAG_NBYTES):
+        raise BlockCorrupted(f"block {key.hex()[:16]} has no 8-byte checksum or 16-byte MAC")
+    if end > len(view):
+        raise BlockCorrupted(f"block {key.hex()[:16]} is truncated: {len(view)} bytes, "
+                             f"expected {end}")
+    if len(tag) == data_keys.CHECKSUM_NBYTES and checksum(view[off:end]) != tag:
         raise BlockCorrupted(f"block {key.hex()[:16]} fails its payload checksum")
     return header
 
@@ -291,7 +334,7 @@ def verify_block(
         )
     if header.namespace_root != namespace.root:
         raise NamespaceMismatch(
-            "block belongs to another namespace (model fingerprint or cache salt differ)"
+            "block belongs to another namespace (model fingerprint, cache salt or data key differ)"
         )
     if header.key != key:
         raise BlockMismatch(f"block key {header.key.hex()[:16]} != requested {key.hex()[:16]}")
@@ -304,9 +347,20 @@ def verify_block(
     end = off + namespace.payload_nbytes
     if len(view) < end:
         raise BlockCorrupted(f"block is truncated: {len(view)} bytes, expected {end}")
-    if verify_checksum and checksum(view[off:end]) != header.checksum:
-        raise BlockCorrupted(f"block {key.hex()[:16]} payload checksum mismatch")
+    if not isinstance(header.checksum, bytes) or len(header.checksum) != namespace.tag_nbytes:
+        raise BlockCorrupted(
+            f"block {key.hex()[:16]} carries a {_width(header.checksum)} tag; its namespace "
+            + ("is keyed: blocks carry a 16-byte MAC" if namespace.keyed
+               else "is unkeyed: blocks carry an 8-byte xxh3 checksum"))
+    if verify_checksum and not tag_matches(namespace, key, view[off:end], header.checksum):
+        raise BlockCorrupted(f"block {key.hex()[:16]} payload "
+                             + ("MAC mismatch (not written with this tenant's key)"
+                                if namespace.keyed else "checksum mismatch"))
     return header
+
+
+def _width(tag: object) -> str:
+    return f"{len(tag)}-byte" if isinstance(tag, bytes) else f"non-bytes ({type(tag).__name__})"
 
 
 def decode_block(
@@ -342,7 +396,7 @@ class _Template:
 @functools.lru_cache(maxsize=256)
 def _template(namespace: Namespace) -> _Template:
     zero = _header_for(namespace, bytes(KEY_NBYTES), bytes(KEY_NBYTES),
-                       bytes(8 * namespace.block_size), bytes(8))
+                       bytes(8 * namespace.block_size), bytes(namespace.tag_nbytes))
     fields = [zero.schema_version, zero.namespace_root, zero.key, zero.parent_key,
               zero.token_ids, zero.dtype, zero.num_layers, zero.block_size, zero.num_kv_heads,
               zero.head_dim, zero.checksum]
@@ -392,6 +446,6 @@ def _verify_canonical(view: memoryview, namespace: Namespace, key: bytes,
         return None
     if hashlib.sha256(parent + tokens).digest() != key:
         return None
-    if verify_checksum and checksum(view[off:end]) != digest:
+    if verify_checksum and not tag_matches(namespace, key, view[off:end], digest):
         return None
     return _header_for(namespace, bytes(key), parent, tokens, digest)

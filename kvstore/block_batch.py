@@ -1,16 +1,19 @@
 """The batch half of the block codec (docs/design.md §3.2): a whole Put batch at once.
 
-A namespace fixes every header byte except four fields (key, parent key, tokens, checksum), so
+A namespace fixes every header byte except four fields (key, parent key, tokens, tag), so
 a batch is encoded as column writes into one ``[n, block_nbytes]`` array (byte for byte what
 ``kvstore.block.encode_block_into`` writes), and a block whose header equals the template
 outside those fields is verified with slices instead of msgpack. Anything the fast path is not
 sure of goes through the one-block ``verify_block``, which gives the verdict and names the error.
+The tag column is as wide as the namespace's tag: 8 bytes (xxh3) unkeyed, 16 (the tenant's
+MAC, ``kvstore.security.data_keys``) keyed.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +25,7 @@ from kvstore.block import _template, block_nbytes, verify_block
 from kvstore.constants import KEY_NBYTES
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
+from kvstore.security import data_keys
 
 
 def encode_blocks_into(
@@ -35,7 +39,7 @@ def encode_blocks_into(
     """``encode_block_into`` for a batch: block ``i`` into row ``i`` of a uint8 ``out``.
 
     Byte for byte what the one-block encoder writes (tests compare them), in a handful of
-    array writes plus one xxh3 call per block instead of a msgpack pack and a tensor view each.
+    array writes plus one tag call per block instead of a msgpack pack and a tensor view each.
     """
     n = len(keys)
     if not n == len(parent_keys) == len(token_ids) == len(payloads):
@@ -68,9 +72,25 @@ def encode_blocks_into(
     # numpy does the strided row copy (torch's copy_ into row views was 10x slower here).
     src = torch.stack([p.detach().to("cpu") for p in payloads]).reshape(n, -1)
     rows[:, off:end] = src.view(torch.uint8).numpy()
-    digest = xxhash.xxh3_64_digest
-    rows[:, t.checksum] = np.frombuffer(b"".join(digest(r) for r in rows[:, off:end]),
-                                        dtype=np.uint8).reshape(n, 8)
+    tags = _tags(namespace, joined_keys, rows, off, end)
+    rows[:, t.checksum] = np.frombuffer(b"".join(tags), dtype=np.uint8).reshape(
+        n, namespace.tag_nbytes)
+
+
+def _tags(namespace: Namespace, joined_keys: bytes, rows: np.ndarray, off: int, end: int
+          ) -> list[bytes]:
+    """Each row's payload tag (``payload_tag``), hashed in place: xxh3 unkeyed, else the
+    tenant's MAC under the key in ``joined_keys`` (32 bytes a row)."""
+    total = rows.shape[1]
+    buf = memoryview(rows.reshape(-1))  # type: ignore[arg-type]
+    spans = [buf[i * total + off : i * total + end] for i in range(len(rows))]
+    mac = namespace.mac_key
+    if mac is None:
+        xxh = xxhash.xxh3_64_digest
+        return [xxh(s) for s in spans]
+    tag, root = data_keys.block_tag, namespace.root
+    return [tag(mac, root, joined_keys[i * KEY_NBYTES : (i + 1) * KEY_NBYTES], s)
+            for i, s in enumerate(spans)]
 
 
 @functools.lru_cache(maxsize=256)
@@ -104,11 +124,12 @@ def _digests_match(digests: list[bytes], joined: bytes, width: int, ok: np.ndarr
     """Clear ``ok[i]`` where ``digests[i]`` is not ``joined``'s ``i``-th ``width`` bytes.
 
     One compare of the joined digests for a healthy batch; row by row only if it differs.
+    Constant-time compares: for MACs a timing difference would leak how much of a tag matched.
     """
-    if b"".join(digests) == joined:
+    if hmac.compare_digest(b"".join(digests), joined):
         return
     for i, d in enumerate(digests):
-        if d != joined[i * width : (i + 1) * width]:
+        if not hmac.compare_digest(d, joined[i * width : (i + 1) * width]):
             ok[i] = False
 
 
@@ -121,8 +142,9 @@ def verify_blocks(rows: np.ndarray, namespace: Namespace, keys: Sequence[bytes],
     The node runs this on every Put batch, so ``verify_block``'s canonical fast path
     (``_verify_canonical``) is taken for the whole batch at once: one compare of the fixed
     template columns, one of the key column, one sha256 (parent || tokens) and one xxh3 per
-    block, each set of digests compared joined. A row failing any of these is not necessarily
-    bad (the one-block path also accepts valid non-canonical encodings), so it, and every row
+    block (the tenant's MAC in a keyed namespace), each set of digests compared joined. A row
+    failing any of these is not necessarily bad (the one-block path also accepts valid
+    non-canonical encodings), so it, and every row
     of a batch the fast path cannot read (narrow rows, keys that are not 32-byte ``bytes``),
     goes through ``verify_block``, which gives the verdict and names the error.
 
@@ -162,12 +184,11 @@ def verify_blocks(rows: np.ndarray, namespace: Namespace, keys: Sequence[bytes],
     sha256 = hashlib.sha256
     _digests_match([sha256(flat[i * width : (i + 1) * width]).digest() for i in range(n)],
                    joined, KEY_NBYTES, ok)
-    # The checksum is xxh3-64 of the payload, hashed in place (each row's slice is contiguous).
-    total = rows.shape[1]
-    buf = memoryview(rows.reshape(-1))  # type: ignore[arg-type]
-    xxh = xxhash.xxh3_64_digest
-    _digests_match([xxh(buf[i * total + off : i * total + end]) for i in range(n)],
-                   rows[:, t.checksum].tobytes(), 8, ok)
+    # The tag (xxh3-64, or the MAC bound to the row's key) of each payload, hashed in place.
+    # A row whose key column is not its requested key has ok False already; its tag is then
+    # computed under the requested key, which can only fail it again.
+    _digests_match(_tags(namespace, joined, rows, off, end), rows[:, t.checksum].tobytes(),
+                   namespace.tag_nbytes, ok)
     parents = rows[:, t.parent_key].tobytes()
     out: list[bytes | Exception] = [parents[i * KEY_NBYTES : (i + 1) * KEY_NBYTES]
                                     for i in range(n)]

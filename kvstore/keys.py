@@ -9,7 +9,6 @@ never Python's ``hash()``, so keys are the same on every machine and every run.
 from __future__ import annotations
 
 import hashlib
-import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NewType
@@ -20,6 +19,7 @@ import torch
 
 from kvstore.constants import DTYPE_NAMES
 from kvstore.errors import ConfigError
+from kvstore.security import data_keys
 
 BlockKey = NewType("BlockKey", bytes)
 
@@ -39,7 +39,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Namespace:
-    """Everything that makes KV bytes incompatible; its sha256 is the root of every key chain."""
+    """Everything that makes KV bytes incompatible; its (keyed) hash is the root of every key
+    chain."""
 
     model_fingerprint: str
     dtype: str
@@ -49,10 +50,18 @@ class Namespace:
     head_dim: int
     cache_salt: str = ""
     schema_version: int = SCHEMA_VERSION
-    # The cluster's data secret (security.data_key), never encoded or sent: with it the root is
-    # a keyed hash, so nobody without it can precompute a public prompt's keys (docs/security.md).
-    data_key: bytes | None = field(default=None, repr=False)
+    # Secrets, never encoded, sent or shown (docs/security.md): at most one. ``data_key``, the
+    # cluster's data secret (security.data_key), is what the cluster's own workers and nodes
+    # hold; ``tenant_key`` (kvstore.security.data_keys.tenant_key of this cache_salt) is what a
+    # tenant's own client holds. Either gives the same tenant key, so the same root (a keyed
+    # hash nobody outside can precompute) and the same block MAC key: equal namespaces.
+    data_key: bytes | None = field(default=None, repr=False, compare=False)
+    tenant_key: bytes | None = field(default=None, repr=False, compare=False)
     _root: bytes = field(init=False, repr=False, compare=False)
+    # The tenant key both secrets lead to: part of equality and hashing, so a keyed and an
+    # unkeyed namespace (different roots, tag widths) never share a cache entry.
+    _secret: bytes | None = field(init=False, repr=False, compare=True)
+    _mac_key: bytes | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -65,11 +74,23 @@ class Namespace:
                 raise ConfigError(f"namespace {name} must be a positive int, got {value!r}")
         if not self.model_fingerprint:
             raise ConfigError("namespace model_fingerprint must not be empty")
-        if self.data_key is None:
-            root = hashlib.sha256(self.encode()).digest()
+        if not isinstance(self.cache_salt, str):
+            raise ConfigError(f"namespace cache_salt must be a str, got {self.cache_salt!r}")
+        if self.data_key is not None and self.tenant_key is not None:
+            raise ConfigError("give a namespace its data_key or its tenant_key, not both")
+        if self.data_key is not None:
+            secret: bytes | None = data_keys.tenant_key(self.data_key, self.cache_salt)
+        elif self.tenant_key is not None:
+            secret = data_keys.check_tenant_key(self.tenant_key)
         else:
-            root = hmac.new(root_key(self.data_key), self.encode(), hashlib.sha256).digest()
+            secret = None
+        if secret is None:
+            root, mac = hashlib.sha256(self.encode()).digest(), None
+        else:
+            root, mac = data_keys.keyed_root(secret, self.encode()), data_keys.mac_key(secret)
         object.__setattr__(self, "_root", root)
+        object.__setattr__(self, "_secret", secret)
+        object.__setattr__(self, "_mac_key", mac)
 
     def encode(self) -> bytes:
         """The canonical encoding: msgpack of the fields in the order docs/design.md §3.1 fixes."""
@@ -88,8 +109,28 @@ class Namespace:
 
     @property
     def root(self) -> bytes:
-        """sha256 of the canonical encoding: the parent of the first block's key."""
+        """The parent of the first block's key: sha256 of the canonical encoding, or with a
+        key its HMAC under the tenant's root key (kvstore.security.data_keys)."""
         return self._root
+
+    @property
+    def keyed(self) -> bool:
+        """Whether blocks carry a MAC under the tenant's key (else an xxh3 checksum)."""
+        return self._secret is not None
+
+    @property
+    def mac_key(self) -> bytes | None:
+        """The tenant's block MAC key, or None for an unkeyed namespace."""
+        return self._mac_key
+
+    @property
+    def tag_nbytes(self) -> int:
+        """Width of the header's checksum field: 16 (MAC) keyed, 8 (xxh3-64) unkeyed."""
+        return data_keys.TAG_NBYTES if self._secret is not None else data_keys.CHECKSUM_NBYTES
+
+    def public(self) -> Namespace:
+        """The same fields without a key: the namespace as the code before keys computed it."""
+        return Namespace(**self.to_dict())  # type: ignore[arg-type]
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -123,11 +164,6 @@ class Namespace:
     @classmethod
     def from_dict(cls, fields: dict[str, object]) -> Namespace:
         return cls(**fields)  # type: ignore[arg-type]
-
-
-def root_key(data_key: bytes) -> bytes:
-    """The key namespace roots are hashed under, derived from the cluster's data secret."""
-    return hmac.new(data_key, b"kvstore namespace root v1", hashlib.sha256).digest()
 
 
 def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:

@@ -2,12 +2,14 @@
 
 The protocol (wired by the server and client): ask the node for a ``Lease`` over the keys,
 ``copy_verified_into`` each ``BlockLocation`` into memory the reader owns, then release the
-lease. The lease is what keeps the bytes from being reused while they are copied; the checksum
-is computed over the copy, so what enters the model is exactly what was verified.
+lease. The lease is what keeps the bytes from being reused while they are copied; the tag
+(checksum or MAC) is computed over the copy, so what enters the model is exactly what was
+verified.
 """
 
 from __future__ import annotations
 
+import hmac
 import mmap
 import os
 from collections.abc import Callable, Sequence
@@ -15,9 +17,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
-from kvstore.block import BlockHeader, block_nbytes, payload_offset, verify_block
+from kvstore.block import BlockHeader, block_nbytes, payload_offset, tag_hasher, verify_block
 from kvstore.block_batch import verify_blocks
 from kvstore.errors import BlockCorrupted, BlockMismatch
 from kvstore.keys import Namespace
@@ -124,7 +125,8 @@ class ShmReader:
         namespace: Namespace,
         token_ids: Sequence[int] | np.ndarray | torch.Tensor | None = None,
     ) -> BlockHeader:
-        """Copy a block into ``dst`` and verify the copy (header, tokens, xxh3) in one pass.
+        """Copy a block into ``dst`` and verify the copy (header, tokens, tag) in one pass: the
+        tag (xxh3, or the tenant's MAC in a keyed namespace) is fed each chunk as it is copied.
 
         Raises BlockCorrupted / BlockMismatch / NamespaceMismatch like ``verify_block``.
         """
@@ -138,7 +140,7 @@ class ShmReader:
         if src.size < end:
             raise BlockCorrupted(f"block is truncated: {src.size} bytes, expected {end}")
         np.copyto(out[:start], src[:start])
-        hasher = xxhash.xxh3_64()
+        hasher = tag_hasher(namespace, location.key)
         for lo in range(start, end, _CHUNK):
             hi = min(lo + _CHUNK, end)
             np.copyto(out[lo:hi], src[lo:hi])
@@ -147,8 +149,8 @@ class ShmReader:
             np.copyto(out[end : src.size], src[end:])
         header = verify_block(out[: src.size], namespace, location.key, token_ids,
                               verify_checksum=False)
-        if hasher.digest() != header.checksum:
-            raise BlockCorrupted(f"block {location.key.hex()[:16]} payload checksum mismatch")
+        if not hmac.compare_digest(hasher.digest(), header.checksum):
+            raise BlockCorrupted(f"block {location.key.hex()[:16]} payload tag mismatch")
         return header
 
     def close(self) -> None:
