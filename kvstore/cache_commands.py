@@ -167,8 +167,12 @@ def namespace_root(args: argparse.Namespace) -> bytes:
         raise ConfigError("give --namespace ROOTHEX (as `kvstore ls` prints), --model, or every "
                           "namespace field; missing: " + " ".join(missing))
     from kvstore.keys import Namespace
+    from kvstore.security.data_keys import parse_data_key
 
-    return Namespace(cache_salt=args.salt or "", **fields).root  # type: ignore[arg-type]
+    # With the cluster's data key (security.data_key) roots are keyed, as the workers make them.
+    data_key = parse_data_key(operator_config(args).security.data_key)
+    return Namespace(cache_salt=args.salt or "", data_key=data_key,  # type: ignore[arg-type]
+                     **fields).root
 
 
 def cmd_invalidate(args: argparse.Namespace) -> int:

@@ -117,19 +117,27 @@ class _Fetch:
 
 
 class Engine:
-    """Prefill and decode for one model over one store (``None``: no store at all)."""
+    """Prefill and decode for one model over one store (``None``: no store at all).
 
-    def __init__(self, model: CausalLM, store: KVStore | None, config: WorkerConfig) -> None:
+    ``data_key`` is the cluster's data secret (``security.data_key``, bytes): every tenant's
+    namespace is then keyed, so its keys cannot be precomputed from outside and a block is
+    used only if its MAC shows a holder of that tenant's key wrote it (planted KV is a miss,
+    recomputed). None (the embedded default): public roots and xxh3 checksums.
+    """
+
+    def __init__(self, model: CausalLM, store: KVStore | None, config: WorkerConfig, *,
+                 data_key: bytes | None = None) -> None:
         self.model = model
         self.store = store
         self.config = config
+        self.data_key = data_key
         self.block_size = config.block_size
         self.chunk_tokens = config.prefill_chunk_tokens
         self.policy: ReusePolicy = choose_policy(config.reuse, model, config.block_size,
                                                  config.prefill_chunk_tokens)
         # KV of an approximate policy must never reach a worker that promises bitwise reuse.
         salt = config.cache_salt if self.policy.exact else f"{config.cache_salt}\x00reuse=block"
-        self.namespace = model.namespace(config.block_size, salt)
+        self.namespace = model.namespace(config.block_size, salt, data_key=data_key)
         self.hasher = BlockHasher(self.namespace)
         self._exact_suffix = "" if self.policy.exact else "\x00reuse=block"
         self._hashers: dict[str, BlockHasher] = {config.cache_salt: self.hasher}
@@ -154,8 +162,8 @@ class Engine:
                 if len(self._hashers) >= 4096:  # a bound on tenants remembered, not on tenants
                     self._hashers.clear()
                     self._hashers[self.config.cache_salt] = self.hasher
-                hasher = BlockHasher(self.model.namespace(self.block_size,
-                                                          salt + self._exact_suffix))
+                hasher = BlockHasher(self.model.namespace(
+                    self.block_size, salt + self._exact_suffix, data_key=self.data_key))
                 self._hashers[salt] = hasher
             return hasher
 

@@ -147,10 +147,13 @@ class CausalLM:
                 if tuple(got.shape) != want:
                     raise refuse(f"layer {i} {label} is {list(got.shape)}")
 
-    def namespace(self, block_size: int, cache_salt: str = "") -> Namespace:
-        """The namespace of this model's KV blocks for a block size and tenant salt."""
+    def namespace(self, block_size: int, cache_salt: str = "", *,
+                  data_key: bytes | None = None) -> Namespace:
+        """The namespace of this model's KV blocks for a block size and tenant salt; with the
+        cluster's ``data_key`` its root and block MACs are keyed (docs/design.md §3.1)."""
         return Namespace(self.fingerprint, self.dtype, block_size, self.shape.num_layers,
-                         self.shape.num_kv_heads, self.shape.head_dim, cache_salt)
+                         self.shape.num_kv_heads, self.shape.head_dim, cache_salt,
+                         data_key=data_key)
 
     def new_cache(self) -> DynamicCache:
         """An empty cache."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from kvstore.config import KVStoreConfig
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockHasher, BlockKey, Namespace
+from kvstore.security.data_keys import parse_data_key
 
 
 @dataclass(slots=True)
@@ -35,7 +36,8 @@ def worker_namespace(config: KVStoreConfig) -> Namespace:
     model = load_model(wc.model, seed=wc.seed, dtype=wc.dtype, num_threads=wc.num_threads)
     with warnings.catch_warnings():  # the reuse probe's library deprecation notes: not ours
         warnings.simplefilter("ignore", FutureWarning)
-        return Engine(model, None, wc).namespace
+        return Engine(model, None, wc,
+                      data_key=parse_data_key(config.security.data_key)).namespace
 
 
 def read_prompt_tokens(prompts_path: str | None, text: str | None,

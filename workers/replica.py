@@ -19,6 +19,7 @@ from kvstore.cluster_store import ClusterStore
 from kvstore.config import KVStoreConfig
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
+from kvstore.security.data_keys import parse_data_key
 from workers.engine import Engine
 from workers.model import load_model
 
@@ -49,7 +50,8 @@ class Replica:
         self.model = load_model(wc.model, seed=wc.seed, dtype=wc.dtype,
                                 num_threads=wc.num_threads)
         self.store = store_factory() if store_factory is not None else None
-        self.engine = Engine(self.model, self.store, wc)
+        self.engine = Engine(self.model, self.store, wc,
+                             data_key=parse_data_key(config.security.data_key))
         self.worker_id = f"{replica_id}-{os.getpid()}"
         if isinstance(self.store, ClusterStore):
             self._report()
