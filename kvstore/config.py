@@ -97,6 +97,9 @@ class ServerConfig:
     put_idle_timeout_s: float = 10.0  # a Put stream silent this long is cancelled
     max_bulk_connections: int = 256  # bulk channel connections open at once, all peers
     max_bulk_connections_per_peer: int = 32  # ... from one peer address
+    # A bulk connection must deliver its first whole request (TLS handshake included) within
+    # this, and each later request within this once its first bytes arrive; else it is closed.
+    bulk_header_timeout_s: float = 10.0
     max_lease_ttl_s: float = 300.0  # a lease asked for longer is clamped to this
     # Prometheus /metrics of the node: 0 picks a free port (shown by `kvstore status`), None
     # turns it off; loopback unless metrics_host says otherwise.
@@ -121,6 +124,8 @@ class ServerConfig:
                      "max_bulk_connections_per_peer"):
             _check(getattr(self, name) >= 1, f"server.{name} must be >= 1")
         _check(self.put_idle_timeout_s > 0, "server.put_idle_timeout_s must be > 0 seconds")
+        _check(self.bulk_header_timeout_s > 0,
+               "server.bulk_header_timeout_s must be > 0 seconds (e.g. 10)")
         _check(self.max_lease_ttl_s > 0, "server.max_lease_ttl_s must be > 0 seconds")
 
     @property

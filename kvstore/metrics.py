@@ -37,6 +37,12 @@ from kvstore.reader_metrics import record_prefill_tokens as record_prefill_token
 EVICTION_CAUSES = ("capacity", "watermark", "drain", "invalidate", "admin")
 #: How blocks came into a node's pool: a client's Put, or a copy the coordinator ordered.
 STORE_SOURCES = ("put", "replica")
+#: Why a node's bulk channel refused a connection or request: a connection cap (all peers, one
+#: peer, no thread left), no whole request before the header deadline, a missing or wrong
+#: credential, a tenant the credential does not grant, a malformed or oversized request, or a
+#: failure of the pool.
+BULK_REFUSALS = ("connections", "peer_connections", "threads", "header_timeout",
+                 "unauthenticated", "forbidden", "bad_request", "too_large", "error")
 
 log = logging.getLogger(__name__)
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -75,6 +81,8 @@ PUT_LATENCY = Histogram("kvstore_put_latency_seconds",
                         buckets=_LATENCY_BUCKETS, registry=REGISTRY)
 EVICTIONS = Counter("kvstore_evictions", "Blocks evicted from a node's pool", ["node_id", "cause"],
                     registry=REGISTRY)
+BULK_REFUSED = Counter("kvstore_bulk_refused", "Connections and requests a node's bulk channel "
+                       "refused", ["reason"], registry=REGISTRY)
 POOL_USED_BYTES = Gauge("kvstore_pool_used_bytes", "Bytes allocated in a node's pool",
                         ["node_id"], registry=REGISTRY)
 POOL_CAPACITY_BYTES = Gauge("kvstore_pool_capacity_bytes", "A node's pool capacity",
@@ -125,6 +133,8 @@ for _kind in PREFILL_KINDS:
     PREFILL_TOKENS.labels(kind=_kind)
 for _kind in ("added", "removed"):
     COORD_DRIFT.labels(kind=_kind)
+for _reason in BULK_REFUSALS:
+    BULK_REFUSED.labels(reason=_reason)
 
 _servers: list[WSGIServer] = []
 
@@ -152,6 +162,11 @@ def observe_put(seconds: float) -> None:
 def record_rejected(reason: str, num_blocks: int = 1) -> None:
     """Count blocks a node refused on the way in, by one of ``REJECT_REASONS``."""
     REJECTED.labels(reason=check_label(reason, REJECT_REASONS, "reject reason")).inc(num_blocks)
+
+
+def record_bulk_refused(reason: str) -> None:
+    """Count one connection or request the bulk channel refused, by one of ``BULK_REFUSALS``."""
+    BULK_REFUSED.labels(reason=check_label(reason, BULK_REFUSALS, "bulk refusal")).inc()
 
 
 def record_evictions(node_id: str, cause: str, num_blocks: int) -> None:

@@ -9,151 +9,145 @@ read-only mapping of the arena, and the reader scatters a whole reply into the b
 preallocated with one ``recvmsg_into`` (the kernel's two copies only). ``sendfile`` from the
 arena file was measured and dropped: on loopback from tmpfs it moved 1.6 GB/s at 3x the sender
 CPU of ``sendall`` from the mapping (5.0 GB/s), the page-by-page splice costing more than the
-copy it saves. A many-block read is pipelined: requests of 32 blocks, 4 in flight.
+copy it saves. A many-block read is pipelined: requests of 32 blocks, 4 in flight. The frame
+format is ``kvstore.node.bulk_frames`` ("KVB2"; the old "KVB1" is refused: nodes and clients
+are upgraded together); the client is ``kvstore.node.bulk_client``.
 
-Protocol (all integers little-endian; connections are reused, requests on one are answered
-in order, and a client may send the next before the last answer has arrived)::
+What a hostile peer cannot do (docs/security.md):
 
-    request : "KVB1" | u32 body_len | msgpack {"t": token, "k": [key, ...], "r": reader}
-    response: "KVB1" | u8 status | u32 msg_len | msg (utf-8)
-              then, if status == OK: u32 n | n x u64 nbytes (MISSING if absent) | payloads
+- read without a credential: each request's credential (at most 4 KiB) is checked before its
+  body is read; a wrong one is answered UNAUTHENTICATED and the connection closed;
+- read another tenant's blocks: a request names the reader's namespace, the credential must
+  grant its tenant (cache salt), and only blocks whose stored namespace root equals that
+  namespace's root (keyed with the cluster's data secret) are served; others read as absent.
+  Only the cluster token (admin: replication) may omit the namespace;
+- hold the node's threads or memory: connections are capped in total and per peer address
+  (beyond the caps a connection is closed at once; one thread per admitted connection only),
+  a connection must deliver its first whole frame within ``server.bulk_header_timeout_s`` and
+  every later frame within that deadline once it starts, and a request body is capped;
+- multiply replication orders: the reader node a request names is believed only from the
+  cluster token (cluster components); a tenant's reads count as from an unknown node.
 
 The server leases the blocks for the duration of the send (eviction cannot reuse the bytes
-under the socket), checks the token with a constant-time compare, caps the request size, and
-serves each connection on its own thread with a send timeout, so a stalled or vanished client
-only ends its own connection.
+under the socket) and serves each connection on its own thread with a send timeout, so a
+stalled or vanished client only ends its own connection.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import hmac
+import errno
+import logging
 import socket
 import ssl
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import msgpack
-
 from kvstore import metrics
+from kvstore.block import read_header
 from kvstore.config import ServerConfig
-from kvstore.constants import KEY_NBYTES
 from kvstore.errors import (
+    BlockCorrupted,
     KVStoreError,
     NodeUnavailable,
-    RequestTooLarge,
+    PermissionDenied,
     Unauthenticated,
+)
+from kvstore.node.bulk_client import BulkClient as BulkClient
+from kvstore.node.bulk_frames import (
+    IDLE_TIMEOUT_S,
+    LEASE_TTL_S,
+    MAGIC,
+    MAX_CREDENTIAL_BYTES,
+    MAX_REQUEST_BYTES,
+    MISSING,
+    REQ_HEAD,
+    RESP_HEAD,
+    SEND_TIMEOUT_S,
+    STATUS_BAD_REQUEST,
+    STATUS_BUSY,
+    STATUS_ERROR,
+    STATUS_FORBIDDEN,
+    STATUS_OK,
+    STATUS_TOO_LARGE,
+    STATUS_UNAUTHENTICATED,
+    HeaderTimeout,
+    decode_body,
+    recv_by,
+    recv_exact,
+    set_kernel_timeouts,
+    set_recv_timeout,
+    status_frame,
 )
 from kvstore.node.pool import ServedPool
 from kvstore.node.shm_reader import ShmReader
+from kvstore.node.wire import namespace_from_spec
+from kvstore.security.grants import Authenticator, Grant
+from kvstore.security.tls import server_ssl_context
+from protos import kvstore_pb2 as pb
 
-MAGIC = b"KVB1"
-MISSING = (1 << 64) - 1
-STATUS_OK, STATUS_UNAUTHENTICATED, STATUS_BAD_REQUEST, STATUS_TOO_LARGE, STATUS_ERROR = range(5)
-MAX_REQUEST_BYTES = 1 << 20  # ~30k keys: far above one request's prompt, far below a DoS
-SEND_TIMEOUT_S = 30.0  # a client that stops reading for this long loses its connection
-IDLE_TIMEOUT_S = 300.0
-LEASE_TTL_S = 120.0  # outlives SEND_TIMEOUT_S; released explicitly once the send ends
+__all__ = ["MAGIC", "MISSING", "BulkClient", "BulkServer"]
 
-_REQ = struct.Struct("<4sI")
-_RESP = struct.Struct("<4sBI")
-_COUNT = struct.Struct("<I")
-_MAX_AHEAD_BYTES = 64 << 10  # requests in flight must fit the peer's socket buffer
-_IOV_MAX = 1024  # Linux's UIO_MAXIOV: buffers per recvmsg_into call
+log = logging.getLogger(__name__)
+_ACCEPT_RETRY = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED,
+                 errno.EPROTO, errno.EPERM)
+_MAX_NAMESPACES = 1024  # namespaces whose root the server remembers (a dict; cleared when full)
 
 
-def set_kernel_timeouts(sock: socket.socket, recv_s: float, send_s: float) -> None:
-    """Blocking socket with kernel-side timeouts: MSG_WAITALL and sendall then work in one
-    syscall, where Python's own timeouts would make the socket non-blocking and poll."""
-    sock.settimeout(None)
-    for opt, secs in ((socket.SO_RCVTIMEO, recv_s), (socket.SO_SNDTIMEO, send_s)):
-        sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", int(secs),
-                                                            int(secs % 1 * 1e6)))
+class _Refused(Exception):
+    """A request answered with an error status; the connection closes."""
 
-
-def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from the socket; NodeUnavailable if the peer goes away first."""
-    plain = not isinstance(sock, ssl.SSLSocket)
-    got, n = 0, len(view)
-    while got < n:
-        try:
-            if plain:
-                r = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-            else:
-                r = sock.recv_into(view[got:], n - got)
-        except OSError as exc:  # includes socket.timeout
-            raise NodeUnavailable(f"bulk connection failed mid-stream: {exc}") from exc
-        if r == 0:
-            raise NodeUnavailable(f"bulk peer closed the connection after {got}/{n} bytes")
-        got += r
-
-
-def _recv_exact_into_many(sock: socket.socket, views: list[memoryview]) -> None:
-    """Fill every view in order, scattering with ``recvmsg_into`` (one syscall and one wake-up
-    for a whole batch rather than one per block: at 64 KiB blocks those dominated)."""
-    if isinstance(sock, ssl.SSLSocket):  # TLS has no scatter read
-        for view in views:
-            _recv_exact_into(sock, view)
-        return
-    i = 0
-    while i < len(views):
-        batch = views[i : i + _IOV_MAX]
-        try:
-            got = sock.recvmsg_into(batch, 0, socket.MSG_WAITALL)[0]
-        except OSError as exc:  # includes socket.timeout
-            raise NodeUnavailable(f"bulk connection failed mid-stream: {exc}") from exc
-        if got == 0:
-            raise NodeUnavailable("bulk peer closed the connection mid-stream")
-        # Skip the views filled whole; finish a partly filled one on its own, then go on.
-        while got and i < len(views) and got >= len(views[i]):
-            got -= len(views[i])
-            i += 1
-        if got:
-            _recv_exact_into(sock, views[i][got:])
-            i += 1
-
-
-def _shifted(alloc: Callable[[int, int], memoryview], lo: int
-             ) -> Callable[[int, int], memoryview]:
-    """``alloc`` for the request that starts at key ``lo`` of the call."""
-    return lambda i, nbytes: alloc(lo + i, nbytes)
-
-
-def _send_all(sock: socket.socket, data: bytes) -> None:
-    try:
-        sock.sendall(data)
-    except OSError as exc:
-        raise NodeUnavailable(f"bulk connection failed mid-stream: {exc}") from exc
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    _recv_exact_into(sock, memoryview(buf))
-    return bytes(buf)
+    def __init__(self, status: int, reason: str, msg: str) -> None:
+        super().__init__(msg)
+        self.status, self.reason = status, reason
 
 
 class BulkServer:
-    """Serves leased blocks of one pool to remote readers, one thread per connection."""
+    """Serves leased blocks of one pool to remote readers, one thread per admitted connection."""
 
     def __init__(self, pool: ServedPool, config: ServerConfig,
-                 on_read: Callable[[list[bytes], str], None] | None = None) -> None:
-        """``on_read(keys, reader_node_id)`` hears of every served batch (see StoreServer)."""
+                 on_read: Callable[[list[bytes], str], None] | None = None, *,
+                 data_key: bytes | None = None,
+                 root_of: Callable[[bytes], bytes | None] | None = None) -> None:
+        """``on_read(keys, reader_node_id)`` hears of every served batch (see StoreServer).
+        ``data_key``: the cluster's data secret, to compute a reader's namespace root as the
+        writers did. ``root_of(key)``: the namespace root of a held block if the caller
+        remembers it (StoreServer's metadata cache), else None and the header is read."""
         self.pool = pool
         self.config = config
         self.on_read = on_read
-        self._token = (config.auth_token or "").encode()
-        self._ssl: ssl.SSLContext | None = None
-        if config.tls_cert_file and config.tls_key_file:
-            self._ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            self._ssl.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+        self.data_key = data_key
+        self.root_of = root_of
+        self._auth = Authenticator([config.auth_token, config.previous_auth_token])
+        self._ssl: ssl.SSLContext | None = server_ssl_context(config)
         self._listener: socket.socket | None = None
         self._arena: ShmReader | None = None  # the pool's arena, mapped read-only to send from
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, str] = {}  # admitted connection -> peer address
+        self._per_peer: collections.Counter[str] = collections.Counter()
+        self._roots: dict[bytes, tuple[str, bytes]] = {}  # spec bytes -> (cache salt, root)
         self._lock = threading.Lock()
         self._stopped = threading.Event()
 
+    # -- credentials --------------------------------------------------------------------
+    def set_authenticator(self, auth: Authenticator) -> None:
+        """Swap the credentials checked from the next request on (rotation: open connections
+        present their credential with every request, so none keeps a revoked one)."""
+        self._auth = auth
+
+    def set_tokens(self, auth_token: str | None, previous_auth_token: str | None = None) -> None:
+        self.set_authenticator(Authenticator([auth_token, previous_auth_token]))
+
+    @property
+    def num_connections(self) -> int:
+        """Connections admitted and open now (each has one thread)."""
+        with self._lock:
+            return len(self._conns)
+
+    # -- lifecycle ----------------------------------------------------------------------
     def start(self) -> int:
         """Bind, start accepting, and return the port."""
         self._arena = ShmReader(self.pool.path)
@@ -183,75 +177,177 @@ class BulkServer:
         assert self._listener is not None
         while not self._stopped.is_set():
             try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), name="kvstore-bulk-conn",
-                             daemon=True).start()
+                conn, addr = self._listener.accept()
+            except OSError as exc:
+                if self._stopped.is_set() or exc.errno not in _ACCEPT_RETRY:
+                    return
+                # Out of descriptors or memory: a flood must not end the channel for good.
+                time.sleep(0.05)
+                continue
+            peer = str(addr[0])
+            reason = self._admit(conn, peer)
+            if reason is None:
+                try:
+                    threading.Thread(target=self._serve, args=(conn, peer),
+                                     name="kvstore-bulk-conn", daemon=True).start()
+                    continue
+                except RuntimeError:  # no thread to be had: refuse like a full house
+                    self._release_slot(conn)
+                    reason = "threads"
+            self._refuse_connection(conn, reason)
 
-    def _serve(self, raw: socket.socket) -> None:
-        conn: socket.socket = raw
+    def _admit(self, conn: socket.socket, peer: str) -> str | None:
+        """Take a connection slot, or say which cap is reached."""
         with self._lock:
-            self._conns.add(raw)
+            if len(self._conns) >= self.config.max_bulk_connections:
+                return "connections"
+            if self._per_peer[peer] >= self.config.max_bulk_connections_per_peer:
+                return "peer_connections"
+            self._conns[conn] = peer
+            self._per_peer[peer] += 1
+        return None
+
+    def _release_slot(self, conn: socket.socket) -> None:
+        with self._lock:
+            peer = self._conns.pop(conn, None)
+            if peer is not None:
+                self._per_peer[peer] -= 1
+                if self._per_peer[peer] <= 0:
+                    del self._per_peer[peer]
+
+    def _refuse_connection(self, conn: socket.socket, reason: str) -> None:
+        """Close at once; a plaintext peer first gets a BUSY answer if its buffer takes it."""
+        metrics.record_bulk_refused(reason)
+        if self._ssl is None:
+            with contextlib.suppress(OSError):
+                conn.send(status_frame(STATUS_BUSY, f"the node has too many bulk connections "
+                                       f"({reason.replace('_', ' ')}); retry later"),
+                          socket.MSG_DONTWAIT)
+        with contextlib.suppress(OSError):
+            conn.close()
+
+    # -- one connection -------------------------------------------------------------------
+    def _serve(self, raw: socket.socket, peer: str) -> None:
+        conn: socket.socket = raw
+        header_s = self.config.bulk_header_timeout_s
+        deadline = time.monotonic() + header_s  # the handshake and first frame, all of it
         try:
-            set_kernel_timeouts(raw, IDLE_TIMEOUT_S, SEND_TIMEOUT_S)
+            set_kernel_timeouts(raw, header_s, SEND_TIMEOUT_S)
+            raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ssl is not None:
                 conn = self._ssl.wrap_socket(raw, server_side=True)
+            first = True
             while not self._stopped.is_set():
+                if first:
+                    head = recv_by(conn, REQ_HEAD.size, deadline)
+                else:
+                    set_recv_timeout(conn, IDLE_TIMEOUT_S)
+                    try:
+                        head = recv_exact(conn, REQ_HEAD.size)
+                    except NodeUnavailable:
+                        return  # the client closed (or idled out) between requests
+                    deadline = time.monotonic() + header_s
+                first = False
                 try:
-                    head = _recv_exact(conn, _REQ.size)
-                except NodeUnavailable:
-                    return  # the client closed its connection between requests
-                if not self._serve_one(conn, head):
+                    self._serve_one(conn, head, deadline)
+                except _Refused as exc:
+                    metrics.record_bulk_refused(exc.reason)
+                    with contextlib.suppress(OSError):
+                        conn.sendall(status_frame(exc.status, str(exc)))
                     return
+        except HeaderTimeout:
+            metrics.record_bulk_refused("header_timeout")
         except (OSError, ssl.SSLError, NodeUnavailable):
             return  # a vanished or broken client ends only its own connection
+        except Exception:  # a bug here must end one connection, never the channel, silently
+            log.exception("bulk connection from %s failed", peer)
         finally:
-            with self._lock:
-                self._conns.discard(raw)
+            self._release_slot(raw)
             with contextlib.suppress(OSError):
                 conn.close()
 
-    def _reply(self, conn: socket.socket, status: int, msg: str = "") -> None:
-        body = msg.encode()
-        conn.sendall(_RESP.pack(MAGIC, status, len(body)) + body)
-
-    def _serve_one(self, conn: socket.socket, head: bytes) -> bool:
-        """Answer one request; False when the connection must close."""
-        magic, body_len = _REQ.unpack(head)
+    def _read_request(self, conn: socket.socket, head: bytes, deadline: float
+                      ) -> tuple[Grant, Any]:
+        """Check the head, then the credential, and only then read the body."""
+        magic, cred_len, body_len = REQ_HEAD.unpack(head)
         if magic != MAGIC:
-            self._reply(conn, STATUS_BAD_REQUEST, "not a kvstore bulk request")
-            return False
+            raise _Refused(STATUS_BAD_REQUEST, "bad_request",
+                           f"not a kvstore bulk request (expected {MAGIC!r} frames: is the "
+                           "client older than the node?)")
+        if cred_len > MAX_CREDENTIAL_BYTES:
+            raise _Refused(STATUS_UNAUTHENTICATED, "unauthenticated",
+                           f"credential of {cred_len} bytes exceeds {MAX_CREDENTIAL_BYTES}")
         if body_len > MAX_REQUEST_BYTES:
-            self._reply(conn, STATUS_TOO_LARGE, f"request of {body_len} bytes exceeds "
-                        f"{MAX_REQUEST_BYTES}; split the keys over several requests")
-            return False
+            raise _Refused(STATUS_TOO_LARGE, "too_large",
+                           f"request of {body_len} bytes exceeds {MAX_REQUEST_BYTES}; split "
+                           "the keys over several requests")
+        credential = recv_by(conn, cred_len, deadline)
         try:
-            req = msgpack.unpackb(_recv_exact(conn, body_len))
-            token, keys = req["t"], req["k"]
-            reader = req.get("r", "")  # optional: older clients do not name their node
-            if not isinstance(token, bytes) or not isinstance(keys, list) \
-                    or not isinstance(reader, str):
-                raise TypeError("t must be bytes, k a list and r a string")
-        except Exception as exc:  # any parse failure is the client's fault, not ours
-            self._reply(conn, STATUS_BAD_REQUEST, f"malformed bulk request: {exc}")
-            return False
-        if self._token and not hmac.compare_digest(token, self._token):
-            self._reply(conn, STATUS_UNAUTHENTICATED, "missing or wrong auth token")
-            return False
-        if any(not isinstance(k, bytes) or len(k) != KEY_NBYTES for k in keys):
-            self._reply(conn, STATUS_BAD_REQUEST, f"keys must be {KEY_NBYTES}-byte digests")
-            return False
+            grant = self._auth.authenticate(credential)
+        except Unauthenticated as exc:
+            raise _Refused(STATUS_UNAUTHENTICATED, "unauthenticated", str(exc)) from None
+        try:
+            req = decode_body(recv_by(conn, body_len, deadline))
+        except ValueError as exc:
+            raise _Refused(STATUS_BAD_REQUEST, "bad_request", str(exc)) from None
+        return grant, req
+
+    def _reader_root(self, grant: Grant, spec: bytes | None) -> bytes | None:
+        """The namespace root the reader may see (None: an admin's unfiltered read)."""
+        if spec is None:
+            if not grant.admin:
+                raise _Refused(STATUS_FORBIDDEN, "forbidden",
+                               f"credential {grant.subject!r} must name the namespace it reads "
+                               "(only the cluster token may read without one)")
+            return None
+        known = self._roots.get(spec)
+        if known is None:
+            try:
+                ns = namespace_from_spec(pb.NamespaceSpec.FromString(spec), self.data_key)
+            except Exception as exc:  # DecodeError, ConfigError: the client's fault
+                raise _Refused(STATUS_BAD_REQUEST, "bad_request",
+                               f"the request's namespace is not valid: {exc}") from None
+            known = (ns.cache_salt, ns.root)
+            if len(self._roots) >= _MAX_NAMESPACES:
+                self._roots.clear()
+            self._roots[spec] = known
+        try:
+            grant.check_read(known[0])
+        except PermissionDenied as exc:
+            raise _Refused(STATUS_FORBIDDEN, "forbidden", str(exc)) from None
+        return known[1]
+
+    def _stored_root(self, arena: ShmReader, loc: Any) -> bytes | None:
+        if self.root_of is not None:
+            root = self.root_of(loc.key)
+            if root is not None:
+                return root
+        view = arena.view(loc.offset, loc.nbytes)
+        try:
+            return read_header(view).namespace_root
+        except BlockCorrupted:
+            return None
+        finally:
+            with contextlib.suppress(BufferError):
+                view.release()
+
+    def _serve_one(self, conn: socket.socket, head: bytes, deadline: float) -> None:
+        """Answer one request (raises _Refused to answer with an error and close)."""
+        grant, req = self._read_request(conn, head, deadline)
+        want_root = self._reader_root(grant, req.namespace)
+        keys = req.keys
+        reader = req.reader if grant.admin else ""  # see the module docstring
         try:
             lease = self.pool.lease(keys, LEASE_TTL_S)
         except KVStoreError as exc:
-            self._reply(conn, STATUS_ERROR, f"{type(exc).__name__}: {exc}")
-            return False
+            raise _Refused(STATUS_ERROR, "error", f"{type(exc).__name__}: {exc}") from None
         try:
             arena = self._arena
             assert arena is not None, "start() maps the arena before any connection"
             where = {loc.key: loc for loc in lease.locations}
+            if want_root is not None:  # another tenant's (or namespace's) block: absent
+                where = {k: loc for k, loc in where.items()
+                         if self._stored_root(arena, loc) == want_root}
             # Reported before the bytes go out, so a reader that has its blocks can rely on the
             # read being counted (hot-prefix replication; tests that check it do not race).
             if self.on_read is not None and where:
@@ -259,13 +355,13 @@ class BulkServer:
             locs = [where.get(k) for k in keys]
             table = struct.pack(f"<I{len(keys)}Q", len(keys),
                                 *(MISSING if loc is None else loc.nbytes for loc in locs))
-            head = _RESP.pack(MAGIC, STATUS_OK, 0) + table
+            out = RESP_HEAD.pack(MAGIC, STATUS_OK, 0) + table
             if where and not isinstance(conn, ssl.SSLSocket):
                 # MSG_MORE: the header leaves with the first payload bytes, not as a tiny
                 # segment of its own that wakes the reader for nothing (TCP_NODELAY is on).
-                conn.sendall(head, socket.MSG_MORE)
+                conn.sendall(out, socket.MSG_MORE)
             else:
-                conn.sendall(head)
+                conn.sendall(out)
             total = 0
             for offset, nbytes in _coalesce([loc for loc in locs if loc is not None]):
                 conn.sendall(arena.view(offset, nbytes))
@@ -273,7 +369,6 @@ class BulkServer:
             metrics.record_served("bulk", len(where), total)
         finally:
             self.pool.release(lease.lease_id)
-        return True
 
 
 def _coalesce(locs: Sequence[Any]) -> list[tuple[int, int]]:
@@ -285,146 +380,3 @@ def _coalesce(locs: Sequence[Any]) -> list[tuple[int, int]]:
         else:
             ranges.append((loc.offset, loc.nbytes))
     return ranges
-
-
-class BulkClient:
-    """Reads blocks from one node's bulk channel; idle connections are kept for reuse."""
-
-    def __init__(self, address: str, *, auth_token: str | None = None,
-                 tls_ca_file: str | None = None, timeout_s: float = 30.0,
-                 server_hostname: str | None = None, reader_node_id: str = "",
-                 request_blocks: int = 32, pipeline_depth: int = 4) -> None:
-        host, _, port = address.rpartition(":")
-        self.request_blocks, self.pipeline_depth = request_blocks, pipeline_depth
-        self.host, self.port = host.strip("[]"), int(port)
-        self.address = address
-        self.timeout_s = timeout_s
-        self.reader_node_id = reader_node_id
-        self._token = (auth_token or "").encode()
-        self._ssl: ssl.SSLContext | None = None
-        self._server_hostname = server_hostname or self.host
-        if tls_ca_file:
-            self._ssl = ssl.create_default_context(cafile=tls_ca_file)
-        self._idle: list[socket.socket] = []
-        self._lock = threading.Lock()
-
-    def _connect(self) -> socket.socket:
-        try:
-            sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
-        except OSError as exc:
-            raise NodeUnavailable(f"cannot reach bulk channel {self.address}: {exc}") from exc
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        set_kernel_timeouts(sock, self.timeout_s, self.timeout_s)
-        if self._ssl is not None:
-            try:
-                sock = self._ssl.wrap_socket(sock, server_hostname=self._server_hostname)
-            except (OSError, ssl.SSLError) as exc:
-                sock.close()
-                raise NodeUnavailable(f"TLS handshake with {self.address} failed: {exc}") from exc
-        return sock
-
-    def fetch_into(self, keys: Sequence[bytes], alloc: Callable[[int, int], memoryview],
-                   on_batch: Callable[[int, list[int | None]], None] | None = None
-                   ) -> list[int | None]:
-        """Fetch ``keys``; block ``i`` of ``n`` bytes goes into ``alloc(i, n)``.
-
-        Many keys go out as requests of ``request_blocks``, up to ``pipeline_depth`` of them
-        in flight on one connection, so the node never idles waiting for the next request.
-        ``on_batch(first_index, sizes)`` runs as each request's blocks are in (e.g. to verify
-        them while the node is already sending the next ones).
-        Returns each block's size (None for a key the node does not hold). Raises
-        NodeUnavailable if the node dies mid-stream: then no block of the call is valid.
-        """
-        if not keys:
-            return []
-        step = self.request_blocks
-        spans = [(lo, min(lo + step, len(keys))) for lo in range(0, len(keys), step)]
-        requests = [self._request(keys[lo:hi]) for lo, hi in spans]
-        # Requests sent ahead sit unread in the node's socket buffer while it streams to us:
-        # keep them small, or both sides could block on full buffers.
-        ahead = self.pipeline_depth if sum(map(len, requests[:self.pipeline_depth])) \
-            <= _MAX_AHEAD_BYTES else 1
-        sent = 0
-        for attempt in (0, 1):
-            sock, reused = self._checkout()
-            try:
-                sent = min(ahead, len(requests))
-                sock.sendall(b"".join(requests[:sent]))  # one segment, one wake-up of the node
-                head = _recv_exact(sock, _RESP.size)
-            except (OSError, NodeUnavailable) as exc:
-                sock.close()
-                if reused and attempt == 0:
-                    continue  # the server closed an idle connection: one fresh try
-                raise NodeUnavailable(f"bulk request to {self.address} failed: {exc}") from exc
-            break
-        out: list[int | None] = []
-        try:
-            for j, (lo, hi) in enumerate(spans):
-                if j:
-                    if sent < len(requests):
-                        _send_all(sock, requests[sent])
-                        sent += 1
-                    head = _recv_exact(sock, _RESP.size)
-                sizes = self._read_body(sock, head, keys[lo:hi], _shifted(alloc, lo))
-                out += sizes
-                if on_batch is not None:
-                    on_batch(lo, sizes)
-        except BaseException:
-            sock.close()  # the stream is out of step: never reuse it
-            raise
-        self._checkin(sock)
-        return out
-
-    def _request(self, keys: Sequence[bytes]) -> bytes:
-        body = msgpack.packb({"t": self._token, "k": list(keys), "r": self.reader_node_id})
-        if len(body) > MAX_REQUEST_BYTES:
-            raise RequestTooLarge(f"{len(keys)} keys exceed one bulk request; split them")
-        return _REQ.pack(MAGIC, len(body)) + body
-
-    def _read_body(self, sock: socket.socket, head: bytes, keys: Sequence[bytes],
-                   alloc: Callable[[int, int], memoryview]) -> list[int | None]:
-        magic, status, msg_len = _RESP.unpack(head)
-        if magic != MAGIC:
-            raise NodeUnavailable(f"{self.address} does not speak the kvstore bulk protocol")
-        msg = _recv_exact(sock, msg_len).decode(errors="replace") if msg_len else ""
-        if status == STATUS_UNAUTHENTICATED:
-            raise Unauthenticated(f"bulk channel {self.address}: {msg}")
-        if status == STATUS_TOO_LARGE:
-            raise RequestTooLarge(f"bulk channel {self.address}: {msg}")
-        if status != STATUS_OK:
-            raise NodeUnavailable(f"bulk channel {self.address} refused the request: {msg}")
-        (n,) = _COUNT.unpack(_recv_exact(sock, _COUNT.size))
-        if n != len(keys):
-            raise NodeUnavailable(f"bulk channel answered {n} blocks for {len(keys)} keys")
-        sizes = list(struct.unpack(f"<{n}Q", _recv_exact(sock, 8 * n)))
-        out: list[int | None] = []
-        views: list[memoryview] = []
-        for i, nbytes in enumerate(sizes):
-            if nbytes == MISSING:
-                out.append(None)
-                continue
-            dst = alloc(i, nbytes)
-            if len(dst) < nbytes:
-                raise ValueError(f"buffer {i} has {len(dst)} bytes, block needs {nbytes}")
-            views.append(dst[:nbytes])
-            out.append(nbytes)
-        _recv_exact_into_many(sock, views)
-        return out
-
-    def _checkout(self) -> tuple[socket.socket, bool]:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop(), True
-        return self._connect(), False
-
-    def _checkin(self, sock: socket.socket) -> None:
-        with self._lock:
-            self._idle.append(sock)
-
-    def close(self) -> None:
-        """Close idle connections."""
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for sock in idle:
-            sock.close()
-

@@ -42,6 +42,7 @@ from kvstore.node.wire import (
     tally_to_proto,
 )
 from kvstore.reader_metrics import ReaderTally
+from kvstore.security.tls import client_ssl_context
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 
@@ -75,7 +76,7 @@ class StoreNodeClient:
         self._metadata = ((AUTH_HEADER, f"Bearer {cfg.auth_token}"),) if cfg.auth_token else None
         self._chunk = cfg.max_message_bytes - (64 << 10)
         self._bulk = BulkClient(bulk_address, auth_token=cfg.auth_token,
-                                tls_ca_file=cfg.tls_ca_file, timeout_s=cfg.timeout_s,
+                                ssl_context=client_ssl_context(cfg), timeout_s=cfg.timeout_s,
                                 server_hostname=tls_server_name,
                                 reader_node_id=self.reader_node_id,
                                 request_blocks=cfg.bulk_request_blocks,
@@ -260,7 +261,8 @@ class StoreNodeClient:
 
         if self._bulk is not None:
             # Verified request by request, while the node already streams the next one.
-            self._bulk.fetch_into(keys, lambda i, n: _byte_view(buffers[i]), verify)
+            self._bulk.fetch_into(keys, lambda i, n: _byte_view(buffers[i]), verify,
+                                  namespace=namespace)
         else:
             verify(0, self.get_blocks_into(keys, buffers))
         return out

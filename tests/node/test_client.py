@@ -211,8 +211,9 @@ def test_bulk_peer_dying_mid_block_gives_no_partial_block() -> None:
 
     def fake() -> None:
         conn, _ = lst.accept()
-        head = conn.recv(8)
-        conn.recv(struct.unpack("<4sI", head)[1], socket.MSG_WAITALL)
+        head = conn.recv(10, socket.MSG_WAITALL)
+        _, cred_len, body_len = struct.unpack("<4sHI", head)
+        conn.recv(cred_len + body_len, socket.MSG_WAITALL)
         conn.sendall(struct.pack("<4sBI", MAGIC, 0, 0) + struct.pack("<I2Q", 2, 100, 100))
         conn.sendall(b"x" * 150)
         conn.close()

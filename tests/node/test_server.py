@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import msgpack
 import pytest
 import torch
 
@@ -20,6 +19,7 @@ from kvstore.errors import Unauthenticated
 from kvstore.index.memory import InMemoryIndex
 from kvstore.keys import BlockHasher, Namespace
 from kvstore.node.bulk import MAGIC, BulkClient
+from kvstore.node.bulk_frames import encode_request
 from kvstore.node.pool import BlockPool
 from kvstore.node.server import StoreServer
 from kvstore.node.wire import AUTH_HEADER, grpc_options, spec_from_namespace
@@ -239,11 +239,10 @@ def test_bulk_survives_garbage_and_vanishing_clients(node) -> None:
         s.sendall(b"GET / HTTP/1.1\r\n\r\n")
         assert s.recv(5)[:4] == MAGIC  # answered with an error status, then closed
     with socket.create_connection((host, int(port))) as s:  # a huge declared body
-        s.sendall(struct.pack("<4sI", MAGIC, 1 << 30))
+        s.sendall(struct.pack("<4sHI", MAGIC, 0, 1 << 30))
         assert s.recv(5)[:4] == MAGIC
     with socket.create_connection((host, int(port))) as s:  # asks, then vanishes mid-stream
-        body = msgpack.packb({"t": b"", "k": keys})
-        s.sendall(struct.pack("<4sI", MAGIC, len(body)) + body)
+        s.sendall(encode_request(b"", keys, "", None))
         s.recv(1000)
     deadline = time.monotonic() + 10
     while pool.stats().num_leased and time.monotonic() < deadline:
