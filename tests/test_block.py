@@ -21,6 +21,9 @@ from kvstore.errors import BlockCorrupted, BlockMismatch, NamespaceMismatch
 from kvstore.keys import BlockHasher, Namespace
 
 DTYPES = ["float16", "bfloat16", "float32", "int8"]
+#: A cluster data key: a namespace built with it is keyed (its blocks carry a 16-byte MAC).
+DATA_KEY = b"block-tests-data-key-0123456789!"
+KEYED = pytest.mark.parametrize("key", [None, DATA_KEY], ids=["xxh3", "keyed"])
 
 
 def make_namespace(**over: object) -> Namespace:
@@ -53,9 +56,10 @@ def address(buf: bytearray) -> int:
     return np.frombuffer(buf, dtype=np.uint8).ctypes.data
 
 
+@KEYED
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_round_trip_is_bitwise(dtype):
-    ns = make_namespace(dtype=dtype)
+def test_round_trip_is_bitwise(dtype, key):
+    ns = make_namespace(dtype=dtype, data_key=key)
     buf, key, tokens, payload = make_block(ns)
     assert len(buf) == block_nbytes(ns)
     got = decode_block(buf, ns, key, tokens)
@@ -127,20 +131,22 @@ def test_decode_from_read_only_bytes():
     assert torch.equal(bits(decode_block(bytes(buf), ns, key, tokens)), bits(payload))
 
 
+@KEYED
 @pytest.mark.parametrize("where", [0, 1, 64, -1])
-def test_flipped_payload_byte_is_corruption(where):
-    ns = make_namespace()
+def test_flipped_payload_byte_is_corruption(where, key):
+    ns = make_namespace(data_key=key)
     buf, key, tokens, _ = make_block(ns)
     off = payload_offset(ns)
     pos = off + where if where >= 0 else len(buf) - 1
     buf[pos] ^= 0x01
-    with pytest.raises(BlockCorrupted, match="checksum"):
+    with pytest.raises(BlockCorrupted, match="MAC" if ns.keyed else "checksum"):
         decode_block(buf, ns, key, tokens)
     verify_block(buf, ns, key, tokens, verify_checksum=False)  # only the checksum sees it
 
 
-def test_every_flipped_header_byte_is_rejected():
-    ns = make_namespace()
+@KEYED
+def test_every_flipped_header_byte_is_rejected(key):
+    ns = make_namespace(data_key=key)
     buf, key, tokens, _ = make_block(ns)
     header_end = 4 + int.from_bytes(buf[:4], "little")
     for pos in range(header_end):
@@ -171,6 +177,14 @@ def test_other_namespace_or_layout_is_a_namespace_mismatch(over):
     buf, key, tokens, _ = make_block(ns)
     with pytest.raises(NamespaceMismatch):
         decode_block(buf, make_namespace(**over), key, tokens)
+    # The same with keys: a reader in the same namespace with another data key (or none), or
+    # in another namespace with the same key, finds the block foreign.
+    keyed = make_namespace(data_key=DATA_KEY)
+    buf, key, tokens, _ = make_block(keyed)
+    for reader in (make_namespace(**over, data_key=DATA_KEY), make_namespace(),
+                   make_namespace(data_key=DATA_KEY[::-1])):
+        with pytest.raises(NamespaceMismatch):
+            decode_block(buf, reader, key, tokens)
 
 
 @pytest.mark.parametrize("keep", [0, 3, 10, "payload_start", "last_byte"])

@@ -19,13 +19,23 @@ from kvstore.block import (
 from kvstore.block_batch import encode_blocks_into, verify_blocks
 from kvstore.errors import BlockCorrupted, BlockMismatch, NamespaceMismatch
 from kvstore.keys import BlockHasher, Namespace
+from kvstore.security.data_keys import tenant_key
 
+DATA_KEY = bytes(range(32))  # a cluster data key: keyed namespaces carry a 16-byte MAC
 NAMESPACES = [
     Namespace("m", "float16", 64, 1, 1, 8),
     Namespace("m", "bfloat16", 16, 2, 2, 4, cache_salt="tenant"),
     Namespace("m", "float32", 3, 1, 1, 1),
     Namespace("m", "int8", 8, 3, 1, 5),
+    Namespace("m", "float16", 64, 1, 1, 8, data_key=DATA_KEY),
+    Namespace("m", "bfloat16", 16, 2, 2, 4, cache_salt="tenant",
+              tenant_key=tenant_key(DATA_KEY, "tenant")),
+    Namespace("m", "float32", 3, 1, 1, 1, cache_salt="t2", data_key=DATA_KEY),
 ]
+
+
+def ns_id(ns: Namespace) -> str:
+    return f"{ns.dtype}-keyed" if ns.keyed else ns.dtype
 
 
 def make_batch(ns: Namespace, n: int, seed: int = 0
@@ -44,7 +54,7 @@ def make_batch(ns: Namespace, n: int, seed: int = 0
     return list(keys), [ns.root, *keys[:-1]], per_block, payloads
 
 
-@pytest.mark.parametrize("ns", NAMESPACES, ids=lambda ns: ns.dtype)
+@pytest.mark.parametrize("ns", NAMESPACES, ids=ns_id)
 @pytest.mark.parametrize("token_form", ["list", "ndarray", "tensor"])
 def test_batch_encode_is_byte_identical_to_one_block_encode(ns: Namespace, token_form: str
                                                             ) -> None:
@@ -77,7 +87,7 @@ def test_batch_encode_refuses_what_the_one_block_encoder_refuses() -> None:
         encode_blocks_into(out[:1], ns, keys, parents, tokens, payloads)
 
 
-@pytest.mark.parametrize("ns", NAMESPACES, ids=lambda ns: ns.dtype)
+@pytest.mark.parametrize("ns", NAMESPACES, ids=ns_id)
 def test_fast_path_accepts_exactly_canonical_blocks(ns: Namespace) -> None:
     keys, parents, tokens, payloads = make_batch(ns, 1)
     good = encode_block(ns, keys[0], parents[0], tokens[0], payloads[0])
@@ -122,7 +132,7 @@ def _verdicts(rows: np.ndarray, ns: Namespace, keys: list[bytes]) -> list[object
             for v in verify_blocks(rows, ns, keys)]
 
 
-@pytest.mark.parametrize("ns", NAMESPACES, ids=lambda ns: ns.dtype)
+@pytest.mark.parametrize("ns", NAMESPACES, ids=ns_id)
 def test_batch_verify_gives_the_one_block_verdicts(ns: Namespace) -> None:
     n = 12
     keys, parents, tokens, payloads = make_batch(ns, n, seed=3)
@@ -156,7 +166,7 @@ BENCH_NS = Namespace("bench-put", "float16", 64, 1, 1, 8)  # benchmarks/bench_pu
 
 
 @pytest.mark.parametrize("ns", [BENCH_NS, *NAMESPACES],
-                         ids=lambda ns: f"{ns.model_fingerprint}-{ns.dtype}")
+                         ids=lambda ns: f"{ns.model_fingerprint}-{ns_id(ns)}")
 def test_batch_verify_sorts_mixed_damage_like_the_one_block_check(ns: Namespace) -> None:
     """Every kind of damage, each between good rows, gets ``verify_block``'s exact verdict from
     the vectorized path; a ``verify_blocks`` that passed every row would fail here."""
@@ -234,7 +244,7 @@ def test_batch_verify_sorts_mixed_damage_like_the_one_block_check(ns: Namespace)
         verify_blocks(good, ns, keys[:-1])
 
 
-@pytest.mark.parametrize("ns", NAMESPACES, ids=lambda ns: ns.dtype)
+@pytest.mark.parametrize("ns", NAMESPACES, ids=ns_id)
 @pytest.mark.parametrize("token_form", ["list", "ndarray", "tensor"])
 def test_batch_verify_checks_the_readers_tokens_as_the_one_block_check(
         ns: Namespace, token_form: str) -> None:

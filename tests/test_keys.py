@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -16,6 +18,7 @@ import torch
 
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockHasher, Namespace, dtype_name, tokens_to_bytes
+from kvstore.security.data_keys import mac_key, parse_data_key, root_key, tenant_key
 
 # Pinned literals. Changing the namespace encoding or the key chain changes these, and every
 # published block would silently stop matching: such a change requires bumping
@@ -177,3 +180,107 @@ def test_dtype_names():
 def test_bad_token_ids_are_rejected(bad):
     with pytest.raises(ValueError, match="token_ids"):
         BlockHasher(make_namespace()).block_keys(np.array(bad))
+
+
+# -- keyed namespaces (docs/design.md §3.1, kvstore.security.data_keys) ------------------------
+
+DATA_KEY = bytes.fromhex("00112233445566778899aabbccddeeff")
+#: The root of make_namespace(cache_salt="tenant-a") under DATA_KEY (pinned like PINNED_ROOT).
+PINNED_KEYED_ROOT = "97eb8547408949d5f4abc253325bb06d2ab39a06faaf1c7f63d812a0f4674a71"
+
+
+def ref_keyed_root(data_key: bytes, salt: str, encoding: bytes) -> bytes:
+    """The derivation spelled out with the standard library: tenant key, root key, root."""
+    tenant = hmac.new(data_key, b"kvstore tenant key v1\x00" + salt.encode(),
+                      hashlib.sha256).digest()
+    root_key = hmac.new(tenant, b"kvstore namespace root v1", hashlib.sha256).digest()
+    return hmac.new(root_key, encoding, hashlib.sha256).digest()
+
+
+def test_keyed_root_is_the_hmac_chain_and_pinned():
+    ns = make_namespace(cache_salt="tenant-a", data_key=DATA_KEY)
+    assert ns.root == ref_keyed_root(DATA_KEY, "tenant-a", ns.encode())
+    assert ns.root.hex() == PINNED_KEYED_ROOT
+    # The encoding is the public one: the key changes the root, never the encoded fields.
+    assert ns.encode() == make_namespace(cache_salt="tenant-a").encode()
+    keys = BlockHasher(ns).block_keys(list(range(10)))
+    assert keys == ref_keys(ns.root, list(range(10)), 4)
+
+
+def test_keyed_roots_differ_from_public_and_other_tenants_roots():
+    public = make_namespace(cache_salt="tenant-a")
+    a = make_namespace(cache_salt="tenant-a", data_key=DATA_KEY)
+    b = make_namespace(cache_salt="tenant-b", data_key=DATA_KEY)
+    other_cluster = make_namespace(cache_salt="tenant-a", data_key=DATA_KEY[::-1])
+    roots = {public.root, a.root, b.root, other_cluster.root,
+             make_namespace(data_key=DATA_KEY).root, make_namespace().root}
+    assert len(roots) == 6
+    tokens = list(range(8))
+    assert set(BlockHasher(a).block_keys(tokens)).isdisjoint(BlockHasher(public).block_keys(tokens))
+    assert a != public and a != b and a != other_cluster
+
+
+def test_tenant_keys_are_independent_and_build_the_same_namespace():
+    ka, kb = tenant_key(DATA_KEY, "tenant-a"), tenant_key(DATA_KEY, "tenant-b")
+    assert len(ka) == len(kb) == 32 and ka != kb and DATA_KEY not in (ka, kb)
+    assert ka == hmac.new(DATA_KEY, b"kvstore tenant key v1\x00tenant-a", hashlib.sha256).digest()
+    by_data = make_namespace(cache_salt="tenant-a", data_key=DATA_KEY)
+    by_tenant = make_namespace(cache_salt="tenant-a", tenant_key=ka)
+    assert by_tenant == by_data and hash(by_tenant) == hash(by_data)
+    assert by_tenant.root == by_data.root and by_tenant.mac_key == by_data.mac_key
+    # Tenant B's key in tenant A's namespace is another namespace: other root, other MAC key.
+    wrong = make_namespace(cache_salt="tenant-a", tenant_key=kb)
+    assert wrong != by_data and wrong.root != by_data.root and wrong.mac_key != by_data.mac_key
+    assert mac_key(ka) == by_data.mac_key != root_key(ka)
+
+
+def test_keys_are_never_encoded_shown_or_sent():
+    ns = make_namespace(cache_salt="tenant-a", data_key=DATA_KEY)
+    secrets = [DATA_KEY, tenant_key(DATA_KEY, "tenant-a"), ns.mac_key]
+    for text in (repr(ns), str(ns), repr(ns.to_dict())):
+        assert not any(s.hex() in text or repr(s) in text for s in secrets), text
+    assert not any(s in ns.encode() for s in secrets)
+    assert "data_key" not in ns.to_dict() and "tenant_key" not in ns.to_dict()
+    assert ns.public() == make_namespace(cache_salt="tenant-a") and not ns.public().keyed
+    assert ns.keyed and ns.tag_nbytes == 16 and make_namespace().tag_nbytes == 8
+
+
+def test_keyed_namespace_survives_pickle_as_ray_sends_it():
+    ns = make_namespace(cache_salt="t", tenant_key=tenant_key(DATA_KEY, "t"))
+    back = pickle.loads(pickle.dumps(ns))
+    assert back == ns and back.root == ns.root and back.mac_key == ns.mac_key
+
+
+def test_same_keyed_root_in_another_process():
+    ns = make_namespace(cache_salt="s", data_key=DATA_KEY)
+    script = textwrap.dedent(f"""
+        from kvstore.keys import Namespace
+        from kvstore.security.data_keys import tenant_key
+        fields = {ns.to_dict()!r}
+        a = Namespace(**fields, data_key={DATA_KEY!r})
+        b = Namespace(**fields, tenant_key=tenant_key({DATA_KEY!r}, "s"))
+        print(a.root.hex(), b.root.hex())
+    """)
+    env = {**os.environ, "PYTHONHASHSEED": "777"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, check=True,
+                         capture_output=True, text=True, timeout=120).stdout
+    assert out.split() == [ns.root.hex(), ns.root.hex()]
+
+
+@pytest.mark.parametrize(
+    ("over", "match"),
+    [({"data_key": DATA_KEY, "tenant_key": bytes(32)}, "not both"),
+     ({"data_key": b"short"}, "at least 16"), ({"data_key": DATA_KEY.hex()}, "bytes"),
+     ({"tenant_key": bytes(16)}, "32 bytes"), ({"tenant_key": "00" * 32}, "32 bytes")],
+)
+def test_bad_keys_are_config_errors(over, match):
+    with pytest.raises(ConfigError, match=match):
+        make_namespace(**over)
+
+
+def test_data_key_hex_parsing():
+    assert parse_data_key(None) is None
+    assert parse_data_key(DATA_KEY.hex()) == DATA_KEY
+    for bad in ("zz" * 16, "00" * 15, ""):
+        with pytest.raises(ConfigError, match="security.data_key"):
+            parse_data_key(bad)
