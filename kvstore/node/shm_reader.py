@@ -150,7 +150,8 @@ class ShmReader:
         header = verify_block(out[: src.size], namespace, location.key, token_ids,
                               verify_checksum=False)
         if not hmac.compare_digest(hasher.digest(), header.checksum):
-            raise BlockCorrupted(f"block {location.key.hex()[:16]} payload tag mismatch")
+            raise BlockCorrupted(f"block {location.key.hex()[:16]} payload "
+                                 + ("MAC" if namespace.keyed else "checksum") + " mismatch")
         return header
 
     def close(self) -> None:
