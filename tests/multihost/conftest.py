@@ -125,7 +125,9 @@ def recovery_log() -> Iterator[dict[str, float]]:
 #: Prompt sets: each test publishes its own system prompt (three 32-token chunks, six blocks)
 #: so the blocks it reads or loses are its own; "fill" is many distinct prompts (eviction).
 #: A host fault needs a few requests after it (they recompute), not dozens.
-PROMPT_SETS = {"base": 3, "cut": 8, "kill": 8, "coord": 6, "redis": 6}
+PROMPT_SETS = {"base": 3, "cut": 8, "kill": 8, "coord": 6, "redis": 6,
+               # test_attacks: tenant A's own prompts, and the public prompt an attacker plants
+               "tenant": 2, "plant": 2}
 NUM_FILL_PROMPTS = 6
 
 

@@ -167,6 +167,9 @@ def boot_cluster(net: Network, logs: Path) -> RayCluster:
     token = secrets.token_hex(32)
     cluster = RayCluster(net=net, token=token, redis_password=secrets.token_hex(16), logs=logs,
                          env=make_env(token))
+    # The head's secrets directory (~/.ray/kvstore on a real head): the hosts share this
+    # machine's /root, so the run keeps its own, private to it.
+    cluster.env["KVSTORE_SECURITY_SECRETS_DIR"] = str(logs.parent / "secrets")
     cluster.redis = start_redis(cluster)
     start_node(cluster, cluster.head)
     for host in net.hosts[1:]:
@@ -293,8 +296,9 @@ def node_of_ip(snapshot: dict, ip: str) -> str:
 def generate_argv(prompts: Path, output: Path, *, no_cache: bool = False,
                   prefill_resource: str | None = "prefill",
                   decode_resource: str | None = "decode", config: Path | None = None,
-                  prefill: int = 1, decode: int = 1) -> list[str]:
-    """The `kvstore generate` entrypoint: prefill replicas on h1, decode replicas on h2."""
+                  prefill: int = 1, decode: int = 1, salt: str | None = None) -> list[str]:
+    """The `kvstore generate` entrypoint: prefill replicas on h1, decode replicas on h2
+    (``salt``: the tenant's cache salt)."""
     entry = ["kvstore", "generate", "--prompts", str(prompts), "--prefill-replicas",
              str(prefill), "--decode-replicas", str(decode), *GENERATE_FLAGS,
              "--output", str(output)]
@@ -306,6 +310,8 @@ def generate_argv(prompts: Path, output: Path, *, no_cache: bool = False,
         entry += ["--config", str(config)]
     if no_cache:
         entry.append("--no-cache")
+    if salt is not None:
+        entry += ["--salt", salt]
     return entry
 
 

@@ -1,0 +1,487 @@
+"""The attack table of issue 15, row by row, against a cluster started the documented way.
+
+The cluster is the session's namespace cluster (Ray with token auth on h0..h2, Redis and
+``kvstore start`` on h0: secure by default, its secrets made by ``kvstore start`` itself). The
+attacker is a fourth host on the same bridge that is not part of the Ray cluster; per test it
+holds no credential, a wrong token, a forged credential, tenant B's credential, or tenant A's
+valid write credential (and tenant A's key). Its code is tests/multihost/attacker.py: raw gRPC
+stubs and raw sockets, never kvstore's client.
+
+Every test checks three things: the attack is refused with the status the product gives;
+nothing is lost for the legitimate readers (tenant A's blocks stay held, indexed and
+readable); and, where a job runs, its outputs equal the ``--no-cache`` reference. Each refusal
+is paired with a control that shows the same probe succeeding where it should (an admin read
+finds the blocks and the token ids in them), so no check here passes because it cannot fail.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from kvstore.config import ServerConfig
+from kvstore.keys import SCHEMA_VERSION
+from kvstore.security import data_keys
+from kvstore.security.grants import issue_credential
+from kvstore.security.secrets_store import ClusterSecrets, SecretsStore
+from tests.multihost import attacker as wire
+from tests.multihost.attack_host import (
+    BridgeCapture,
+    Usage,
+    add_attacker_host,
+    attack,
+    attack_async,
+    cmdlines_in,
+    listener_pid,
+    remove_host,
+    tcp_payload,
+    usage,
+)
+from tests.multihost.conftest import make_prompts
+from tests.multihost.harness import (
+    REDIS_PORT,
+    RayCluster,
+    in_host,
+    kvstore_generate,
+    kvstore_status,
+    probe,
+)
+from tests.multihost.netns import Host
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(600)]
+
+TENANT_A, TENANT_B = "tenant-a", "tenant-b"
+DEFAULTS = ServerConfig()  # the node's bounds: the cluster runs with the defaults
+MiB = 1 << 20
+#: Refusal statuses of the gRPC service (kvstore/node/wire.py's table).
+DENIED = "PERMISSION_DENIED"
+UNAUTHENTICATED = "UNAUTHENTICATED"
+#: The bulk channel's status bytes (kvstore/node/bulk_frames.py).
+BULK_OK, BULK_UNAUTHENTICATED, BULK_FORBIDDEN = 0, 1, 5
+ADMIN_RPCS = ("ListKeys", "Delete", "Evict", "Stats", "ReportReads")
+
+
+@dataclass(slots=True)
+class Node:
+    """A store node as seen from the network: its host, gRPC and bulk addresses, its PID."""
+
+    host: Host
+    grpc: str
+    bulk: str
+    pid: int
+
+
+@dataclass(slots=True)
+class Scene:
+    """The cluster under attack, tenant A's blocks on it, and the attacker's credentials."""
+
+    cluster: RayCluster
+    attacker: Host
+    secrets: ClusterSecrets
+    ca: str
+    nodes: list[Node]
+    holder: Node  # the node holding tenant A's blocks
+    a_ns: dict  # tenant A's namespace spec (as the wire carries it)
+    a_keys: list[str]
+    a_tokens: list[int]  # tenant A's system prompt: the token ids in its blocks' headers
+    creds: dict[str, str | None] = field(default_factory=dict)
+
+    @property
+    def admin(self) -> str:
+        return self.secrets.token
+
+    def ns(self, salt: str) -> dict:
+        return {**self.a_ns, "cache_salt": salt}
+
+
+def _kvstore_ls(cluster: RayCluster) -> dict:
+    proc = in_host(cluster, cluster.head, "kvstore", "ls", "--json", "--limit", "1000",
+                   env={**cluster.env, "RAY_ADDRESS": cluster.gcs_address})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def _new_keys(before: dict, after: dict) -> dict[str, set[str]]:
+    return {nid: set(n["held"]) - set(before.get(nid, {}).get("held", []))
+            for nid, n in after.items()}
+
+
+@pytest.fixture(scope="module")
+def scene(kvstore_cluster: RayCluster, work_dir: Path, prompt_files: dict[str, Path],
+          reference: dict[str, list[int]], job_config: Path) -> Scene:
+    """Tenant A's prompts run as a job (its blocks land on h1), the secrets `kvstore start`
+    made, the nodes' addresses, and the attacker host with its credentials."""
+    cluster = kvstore_cluster
+    store = SecretsStore(cluster.env["KVSTORE_SECURITY_SECRETS_DIR"])
+    assert store.exists(), "kvstore start made no cluster secrets: it runs without auth"
+    sec = store.load()
+    before = probe(cluster, "snapshot")
+    rows = kvstore_generate(cluster, prompt_files["tenant"], work_dir / "tenant-a.jsonl",
+                            config=job_config, salt=TENANT_A)
+    assert [r["output_token_ids"] for r in rows] == [reference[r["id"]] for r in rows]
+    new = _new_keys(before, probe(cluster, "snapshot"))
+    holder_id = max(new, key=lambda nid: len(new[nid]))
+    described = [n for n in _kvstore_ls(cluster)["namespaces"]
+                 if n.get("described") and n.get("salt") == TENANT_A]
+    assert described, "no worker described tenant A's namespace"
+    d = described[0]
+    a_ns = {"schema_version": SCHEMA_VERSION, "model_fingerprint": d["model_fingerprint"],
+            "dtype": d["dtype"], "block_size": d["block_size"], "num_layers": d["num_layers"],
+            "num_kv_heads": d["num_kv_heads"], "head_dim": d["head_dim"],
+            "cache_salt": TENANT_A}
+    status = kvstore_status(cluster)
+    ca = sec.ca.cert_pem
+    hosts = {h.ip: h for h in cluster.net.hosts}
+    nodes, holder = [], None
+    for n in status["nodes"]:
+        if not n.get("alive", True):
+            continue
+        h = wire.health(n["address"], ca, sec.token)
+        assert h["code"] == "OK", h
+        bulk = h["bulk_address"]
+        host = hosts[n["address"].rpartition(":")[0]]
+        node = Node(host, n["address"], bulk, listener_pid(host, int(bulk.rpartition(":")[2])))
+        nodes.append(node)
+        if n["node_id"] == holder_id:
+            holder = node
+    assert holder is not None, f"the node {holder_id} holding tenant A's blocks is not listed"
+    a_tokens = make_prompts()["tenant"][0]["token_ids"][:96]
+    attacker = add_attacker_host(cluster.net, work_dir / "hosts")
+    s = Scene(cluster, attacker, sec, ca, nodes, holder, a_ns, sorted(new[holder_id]), a_tokens)
+    s.creds = {
+        "none": None,
+        "wrong": secrets.token_urlsafe(32),
+        "forged": issue_credential(secrets.token_urlsafe(32), "mallory", admin=True),
+        "a": issue_credential(sec.token, "tenant-a-writer", write=[TENANT_A]),
+        "b": issue_credential(sec.token, "tenant-b-writer", write=[TENANT_B]),
+    }
+    yield s
+    remove_host(attacker)
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+def leaks(raw_hex: str, token_ids: list[int], block_size: int = 16) -> bool:
+    """Whether any full block's token ids (int64 LE, as block headers carry them) are in the
+    bytes: what a reader would decode another tenant's prompt from."""
+    raw = bytes.fromhex(raw_hex)
+    return any(struct.pack(f"<{block_size}q", *token_ids[i:i + block_size]) in raw
+               for i in range(0, len(token_ids) - block_size + 1, block_size))
+
+
+def assert_a_intact(s: Scene) -> None:
+    """Every block of tenant A is still held by its node and readable by the cluster token."""
+    got = wire.exists(s.holder.grpc, s.ca, s.admin, s.a_keys, s.a_ns)
+    assert got["code"] == "OK" and all(got["present"]), got
+
+
+def admin_bulk(s: Scene) -> dict:
+    """The control: the cluster token's bulk read of tenant A's blocks, from outside."""
+    return wire.bulk_read(s.holder.bulk, s.ca, s.admin, s.a_keys, s.a_ns, expect_bytes=16 * MiB)
+
+
+def grow(before: Usage, after: Usage) -> tuple[int, int]:
+    return after.rss_bytes - before.rss_bytes, after.threads - before.threads
+
+
+# --- the table ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("who", ["none", "wrong", "forged"])
+def test_every_rpc_without_valid_credentials_is_unauthenticated(scene: Scene, who: str) -> None:
+    """Row 1: Health, Stats, ListKeys, Exists, Get, Lease, Put, Delete, Evict (and the rest)
+    with no credential, a random token, or a credential signed under another token."""
+    got = attack(scene.attacker, "rpc_matrix", target=scene.holder.grpc, ca_pem=scene.ca,
+                 token=scene.creds[who], keys=scene.a_keys, namespace=scene.a_ns)
+    assert {rpc: r["code"] for rpc, r in got.items()} == dict.fromkeys(got, UNAUTHENTICATED)
+    assert_a_intact(scene)
+
+
+def test_plaintext_clients_cannot_talk_to_a_node(scene: Scene) -> None:
+    """Row 1 with TLS on: a client without TLS gets no gRPC answer and no HTTP/2 at all."""
+    got = attack(scene.attacker, "plaintext_probe", target=scene.holder.grpc)
+    assert got["health"]["code"] != "OK" and not got["http2_settings"], got
+    bulk = attack(scene.attacker, "bulk_read", target=scene.holder.bulk, ca_pem=None,
+                  token="", keys=scene.a_keys, namespace=scene.a_ns)
+    assert bulk.get("status") != BULK_OK and not leaks(bulk["raw_hex"], scene.a_tokens), bulk
+
+
+@pytest.mark.parametrize("who", ["none", "wrong", "forged"])
+def test_bulk_read_without_valid_token_returns_no_block(scene: Scene, who: str) -> None:
+    """Row 2: a bulk read with an empty, random or forged token gets a refusal, no bytes."""
+    control = admin_bulk(scene)
+    assert control.get("status") == BULK_OK and None not in control["sizes"], control
+    assert leaks(control["raw_hex"], scene.a_tokens)  # the detector sees a real read
+    token = scene.creds[who] or ""
+    got = attack(scene.attacker, "bulk_read", target=scene.holder.bulk, ca_pem=scene.ca,
+                 token=token, keys=scene.a_keys, namespace=scene.a_ns)
+    assert got.get("status") == BULK_UNAUTHENTICATED, got
+    assert "sizes" not in got and not leaks(got["raw_hex"], scene.a_tokens)
+
+
+def test_tenant_b_cannot_read_tenant_a(scene: Scene) -> None:
+    """Row 3: tenant B lists, gets, tests, leases and bulk-reads tenant A's blocks, naming A's
+    namespace, its own, or none: refused or absent, and A's token ids never come back."""
+    control = attack(scene.attacker, "reads", target=scene.holder.grpc, ca_pem=scene.ca,
+                     token=scene.creds["a"], keys=scene.a_keys, namespace=scene.a_ns)
+    assert control["Get"] == {"code": "OK", "found": len(scene.a_keys)}, control["Get"]
+    assert leaks(control["raw_hex"], scene.a_tokens)  # A's own reader does see them
+
+    b = scene.creds["b"]
+    as_a = attack(scene.attacker, "reads", target=scene.holder.grpc, ca_pem=scene.ca,
+                  token=b, keys=scene.a_keys, namespace=scene.a_ns)
+    for rpc in ("Get", "Exists", "Lease", "ListKeys"):
+        assert as_a[rpc]["code"] == DENIED, (rpc, as_a[rpc])
+    as_b = attack(scene.attacker, "reads", target=scene.holder.grpc, ca_pem=scene.ca,
+                  token=b, keys=scene.a_keys, namespace=scene.ns(TENANT_B))
+    assert as_b["Get"] == {"code": "OK", "found": 0}, as_b["Get"]
+    assert as_b["Exists"] == {"code": "OK", "present": 0}, as_b["Exists"]
+    assert as_b["Lease"]["code"] == "OK" and as_b["Lease"]["locations"] == 0, as_b["Lease"]
+    unnamed = attack(scene.attacker, "reads", target=scene.holder.grpc, ca_pem=scene.ca,
+                     token=b, keys=scene.a_keys, namespace=None)
+    for rpc in ("Get", "Exists", "Lease"):
+        assert unnamed[rpc]["code"] != "OK" or not any(
+            unnamed[rpc].get(f) for f in ("found", "present", "locations")), (rpc, unnamed)
+    for got in (as_a, as_b, unnamed):
+        assert not leaks(got["raw_hex"], scene.a_tokens)
+
+    bulk = {name: attack(scene.attacker, "bulk_read", target=scene.holder.bulk,
+                         ca_pem=scene.ca, token=b, keys=scene.a_keys, namespace=ns)
+            for name, ns in (("a", scene.a_ns), ("b", scene.ns(TENANT_B)), ("none", None))}
+    assert bulk["a"].get("status") == BULK_FORBIDDEN, bulk["a"]
+    assert bulk["b"].get("status") == BULK_OK and set(bulk["b"]["sizes"]) == {None}, bulk["b"]
+    assert bulk["none"].get("status") != BULK_OK or set(bulk["none"]["sizes"]) == {None}
+    assert not any(leaks(r["raw_hex"], scene.a_tokens) for r in bulk.values())
+    assert_a_intact(scene)
+
+
+@pytest.mark.parametrize("who", ["a", "b"])
+def test_tenant_credentials_cannot_list_delete_or_evict(scene: Scene, who: str) -> None:
+    """Row 4: a tenant credential (B on A's blocks, and A on its own) calls the admin RPCs:
+    ListKeys, Delete, Evict, Stats, ReportReads are PERMISSION_DENIED; nothing is gone."""
+    got = attack(scene.attacker, "rpc_matrix", target=scene.holder.grpc, ca_pem=scene.ca,
+                 token=scene.creds[who], keys=scene.a_keys, namespace=scene.a_ns)
+    assert {rpc: got[rpc]["code"] for rpc in ADMIN_RPCS} == dict.fromkeys(ADMIN_RPCS, DENIED)
+    assert_a_intact(scene)
+
+
+def test_planted_public_prompt_is_missed_and_outputs_equal_no_cache(
+        scene: Scene, work_dir: Path, prompt_files: dict[str, Path],
+        reference: dict[str, list[int]], job_config: Path) -> None:
+    """Row 5: the attacker computes the keys of a public system prompt under the default salt
+    and the public (unkeyed) root, and Puts KV of its own there first, on every node: with no
+    credential, and with tenant A's valid write credential (in the default namespace, and in
+    A's namespace with the public root). A victim job then prefills that prompt: it finds
+    nothing of the attacker's and its outputs equal --no-cache."""
+    public = scene.ns("")
+    system = make_prompts()["plant"][0]["token_ids"][:96]
+    attempts = {}
+    for node in scene.nodes:
+        for who, ns, root in (("none", public, None), ("a", public, None),
+                              ("a", scene.a_ns, wire.public_root(public).hex())):
+            got = attack(scene.attacker, "put_blocks", target=node.grpc, ca_pem=scene.ca,
+                         token=scene.creds[who], namespace=ns, token_ids=system, root_hex=root)
+            attempts[(node.host.name, who, ns["cache_salt"])] = got
+    planted = set(next(iter(attempts.values()))["keys"])
+    codes = {k: v["code"] for k, v in attempts.items()}
+    for (host, who, salt), code in codes.items():
+        want = {UNAUTHENTICATED} if who == "none" else \
+            {DENIED} if salt == "" else {"INVALID_ARGUMENT"}
+        assert code in want, (host, who, salt, attempts[(host, who, salt)])
+
+    rows = kvstore_generate(scene.cluster, prompt_files["plant"], work_dir / "victim.jsonl",
+                            config=job_config)
+    assert [r["output_token_ids"] for r in rows] == [reference[r["id"]] for r in rows]
+    assert rows[0]["cached_tokens"] == 0, rows[0]  # nothing of the plant was a hit
+    held = {k for n in probe(scene.cluster, "snapshot").values() for k in n["held"]}
+    assert not planted & held
+
+
+def test_put_declaring_a_huge_block_is_refused_before_allocation(scene: Scene) -> None:
+    """Row 6: a few-hundred-byte Put declaring a 512 MiB block (in a namespace whose block is
+    that big, and in A's namespace whose block is not): refused, the node's RSS unchanged."""
+    huge_ns = {**scene.a_ns, "num_layers": 64, "block_size": 16, "num_kv_heads": 256,
+               "head_dim": 256}  # 2^27 float32 values: a 512 MiB payload
+    before = usage(scene.holder.pid)
+    results = [attack(scene.attacker, "huge_put", target=scene.holder.grpc, ca_pem=scene.ca,
+                      token=scene.creds["a"], namespace=ns, total_nbytes=512 * MiB + 4096,
+                      data_bytes=64, requests=2) for ns in (huge_ns, scene.a_ns)]
+    after = usage(scene.holder.pid)
+    for got in results:
+        assert got["message_bytes"] < 1024
+        for r in got["requests"]:
+            assert r["code"] in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"), r
+    rss, _ = grow(before, after)
+    assert rss < 64 * MiB, f"node RSS grew {rss / MiB:.0f} MiB over 4 refused Puts"
+    assert_a_intact(scene)
+
+
+def test_bulk_connection_flood_is_capped(scene: Scene) -> None:
+    """Row 7: 300 bulk connections each declaring a 1 MiB body and sending up to 1 MiB
+    before authenticating: the node admits at most its per-peer cap, buffers none of it, its
+    threads and RSS stay bounded, and a legitimate reader on another connection is served."""
+    before = usage(scene.holder.pid)
+    flood = attack_async(scene.attacker, "bulk_flood", target=scene.holder.bulk,
+                         ca_pem=scene.ca, connections=300, body_bytes=MiB, hold_s=60.0)
+    try:
+        opened = flood.ready(timeout=150)
+        during = usage(scene.holder.pid)
+        legit = admin_bulk(scene)
+        legit_grpc = wire.exists(scene.holder.grpc, scene.ca, scene.admin, scene.a_keys,
+                                 scene.a_ns)
+    finally:
+        result = flood.finish(timeout=120)
+    rss, threads = grow(before, during)
+    assert legit.get("status") == BULK_OK and None not in legit["sizes"], legit
+    assert legit_grpc["code"] == "OK" and all(legit_grpc["present"]), legit_grpc
+    assert threads <= DEFAULTS.max_bulk_connections_per_peer + 8, (threads, opened, result)
+    assert rss < 128 * MiB, f"node RSS grew {rss / MiB:.0f} MiB under {opened}"
+    assert_a_intact(scene)
+
+
+def test_stalled_put_streams_are_cancelled_and_reads_keep_working(scene: Scene) -> None:
+    """Row 8: eight Put streams (tenant A's credential) that stall after one message: the node
+    keeps serving reads meanwhile and ends every stream itself (put_idle_timeout_s)."""
+    nbytes = wire.exists(scene.holder.grpc, scene.ca, scene.admin, scene.a_keys[:1],
+                         scene.a_ns)["nbytes"][0]
+    stall = attack_async(scene.attacker, "stalled_puts", target=scene.holder.grpc,
+                         ca_pem=scene.ca, token=scene.creds["a"], streams=8,
+                         namespace=scene.a_ns, total_nbytes=nbytes, first_bytes=100,
+                         hold_s=DEFAULTS.put_idle_timeout_s + 30)
+    try:
+        stall.ready()
+        for _ in range(3):
+            assert wire.health(scene.holder.grpc, scene.ca, scene.admin)["code"] == "OK"
+            assert_a_intact(scene)
+            assert admin_bulk(scene).get("status") == BULK_OK
+        control = attack(scene.attacker, "reads", target=scene.holder.grpc, ca_pem=scene.ca,
+                         token=scene.creds["a"], keys=scene.a_keys, namespace=scene.a_ns)
+        assert control["Get"] == {"code": "OK", "found": len(scene.a_keys)}
+    finally:
+        result = stall.finish(release=False, timeout=DEFAULTS.put_idle_timeout_s + 90)
+    for stream in result["streams"]:
+        assert stream["code"] != "OK" and stream["ended_by_node"], result["streams"]
+
+
+def test_stalled_reservation_evicts_no_committed_block(scene: Scene, work_dir: Path) -> None:
+    """Row 9: stalled Puts of 62 MiB blocks that together reserve all free space of the
+    256 MiB pool: the coordinator evicts no committed block while they hang, or after."""
+    before = probe(scene.cluster, "snapshot")
+    path = work_dir / "snapshot-reservation.json"
+    path.write_text(json.dumps(before))
+    big_ns = {**scene.a_ns, "num_layers": 496, "block_size": 16, "num_kv_heads": 8,
+              "head_dim": 128}  # 62 MiB payload
+    stall = attack_async(scene.attacker, "stalled_puts", target=scene.holder.grpc,
+                         ca_pem=scene.ca, token=scene.creds["a"], streams=4, namespace=big_ns,
+                         total_nbytes=62 * MiB + 4096, first_bytes=100,
+                         hold_s=DEFAULTS.put_idle_timeout_s + 30)
+    try:
+        stall.ready()
+        # A few heartbeats (1 s each) while the reservations hang: evictions would show now.
+        time.sleep(4.0)
+        during = probe(scene.cluster, "wait-healthy", "--nodes", str(len(scene.nodes)),
+                       "--before", str(path), "--timeout", "5")
+        assert_a_intact(scene)
+    finally:
+        result = stall.finish(timeout=DEFAULTS.put_idle_timeout_s + 90)
+    assert during["ok"], f"committed blocks lost while reservations hung: {during.get('lost')}"
+    after = probe(scene.cluster, "wait-healthy", "--nodes", str(len(scene.nodes)),
+                  "--before", str(path), "--timeout", "5")
+    assert after["ok"], f"committed blocks lost: {after.get('lost')} ({result})"
+
+
+def test_lease_ttl_is_clamped_and_lease_ids_are_bound_to_their_caller(scene: Scene) -> None:
+    """Row 10: Leases with ttl inf, nan, 1e12 or negative are clamped or refused; a legitimate
+    reader's lease cannot be released or renewed by another client, by its id or by guesses."""
+    victim = wire.take_lease(scene.holder.grpc, scene.ca, scene.admin, scene.a_keys[:1],
+                             scene.a_ns, 30.0)
+    assert victim["code"] == "OK" and victim["locations"] == 1, victim
+    got = attack(scene.attacker, "lease_attacks", target=scene.holder.grpc, ca_pem=scene.ca,
+                 token=scene.creds["a"], keys=scene.a_keys[:1], namespace=scene.a_ns,
+                 victim_lease_id=victim["lease_id"])
+    for name, r in got["ttls"].items():
+        assert r["code"] != "OK" or (math.isfinite(r["expires_in_s"])
+                                     and r["expires_in_s"] <= DEFAULTS.max_lease_ttl_s + 5), \
+            (name, r)
+    ids = [i for i in got["own_ids"] if i]
+    assert ids and all(len(i) >= 16 and not i.isdigit() for i in ids + [victim["lease_id"]]), ids
+    assert got["renew_victim"]["code"] != "OK", got["renew_victim"]
+    # The release by id and every guess was refused or ignored: the victim's lease renews.
+    renewed = wire.renew_lease(scene.holder.grpc, scene.ca, scene.admin, victim["lease_id"], 30.0)
+    assert renewed["code"] == "OK", (renewed, got["release_victim"])
+    assert_a_intact(scene)
+
+
+@pytest.mark.parametrize("unary", [True, False], ids=["PutBatch", "Put-stream"])
+def test_valid_block_followed_by_junk_is_refused(scene: Scene, unary: bool) -> None:
+    """Row 11: tenant A's writer Puts blocks valid in every respect (its key, its MAC) but each
+    followed by 8 MiB of junk: refused, nothing stored. The same blocks without junk store."""
+    rng = struct.unpack("<32H", secrets.token_bytes(64))
+    tokens = [1 + t % 400 for t in rng]  # two fresh blocks nobody has written
+    a_key = data_keys.tenant_key(bytes.fromhex(scene.secrets.data_key), TENANT_A).hex()
+    kw = {"target": scene.holder.grpc, "ca_pem": scene.ca, "token": scene.creds["a"],
+          "namespace": scene.a_ns, "tenant_key_hex": a_key, "token_ids": tokens,
+          "unary": unary}
+    junk = attack(scene.attacker, "put_tenant_blocks", junk_bytes=8 * MiB, **kw)
+    assert junk["code"] in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"), junk
+    stored = wire.exists(scene.holder.grpc, scene.ca, scene.admin, junk["keys"], scene.a_ns)
+    assert stored["code"] == "OK" and not any(stored["present"]), stored
+    clean = attack(scene.attacker, "put_tenant_blocks", junk_bytes=0, **kw)
+    assert clean["code"] == "OK" and clean["stored"] + clean["existing"] == 2, clean
+    assert_a_intact(scene)
+
+
+def test_secrets_are_not_in_argv_nor_plaintext_on_the_wire(scene: Scene) -> None:
+    """Row 12: no process of the cluster's hosts carries the cluster token, the data key, the
+    Redis password or a credential in its argv; what crosses the bridge while a client
+    presents them is ciphertext; Redis answers no plaintext client."""
+    sec = scene.secrets
+    secret_values = {"cluster token": sec.token, "data key": sec.data_key,
+                     "redis password": sec.redis_password or scene.cluster.redis_password,
+                     "tenant A credential": scene.creds["a"]}
+    argv = cmdlines_in(scene.cluster.net.hosts)
+    assert argv, "no process found in the hosts"
+    for what, value in secret_values.items():
+        assert value, what
+        hits = {pid: cmd[:200] for pid, cmd in argv.items() if value in cmd}
+        assert not hits, f"the {what} is in argv: {hits}"
+
+    capture = BridgeCapture(scene.cluster.net.bridge)
+    try:
+        assert wire.health(scene.holder.grpc, scene.ca, sec.token)["code"] == "OK"
+        read = wire.bulk_read(scene.holder.bulk, scene.ca, scene.creds["a"], scene.a_keys,
+                              scene.a_ns, expect_bytes=16 * MiB)
+        assert read.get("status") == BULK_OK, read
+    finally:
+        frames = capture.stop()
+    grpc_bytes = tcp_payload(frames, int(scene.holder.grpc.rpartition(":")[2]))
+    bulk_bytes = tcp_payload(frames, int(scene.holder.bulk.rpartition(":")[2]))
+    assert len(grpc_bytes) > 200 and len(bulk_bytes) > 1000  # the capture saw both
+    for what, value in secret_values.items():
+        assert value.encode() not in grpc_bytes + bulk_bytes, f"the {what} crossed in clear"
+    assert not leaks((grpc_bytes + bulk_bytes).hex(), scene.a_tokens)
+
+    redis = attack(scene.attacker, "redis_plaintext",
+                   target=f"{scene.cluster.head.ip}:{REDIS_PORT}")
+    assert not redis.get("resp"), f"Redis answered a plaintext client: {redis}"
+
+
+def test_legitimate_readers_lost_nothing(scene: Scene, work_dir: Path,
+                                         prompt_files: dict[str, Path],
+                                         reference: dict[str, list[int]],
+                                         job_config: Path) -> None:
+    """After every attack: tenant A's blocks are all still held and indexed, and A's job runs
+    its prompts again wholly from them, with outputs equal to --no-cache."""
+    snap = probe(scene.cluster, "snapshot")
+    holder = next(n for n in snap.values() if n["ip"] == scene.holder.host.ip)
+    assert set(scene.a_keys) <= set(holder["held"]) & set(holder["indexed"])
+    rows = kvstore_generate(scene.cluster, prompt_files["tenant"], work_dir / "tenant-a-2.jsonl",
+                            config=job_config, salt=TENANT_A)
+    assert [r["output_token_ids"] for r in rows] == [reference[r["id"]] for r in rows]
+    assert all(r["cached_tokens"] >= 96 and r["sources"] for r in rows), rows
