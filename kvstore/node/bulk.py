@@ -232,10 +232,12 @@ class BulkServer:
         header_s = self.config.bulk_header_timeout_s
         deadline = time.monotonic() + header_s  # the handshake and first frame, all of it
         try:
-            set_kernel_timeouts(raw, header_s, SEND_TIMEOUT_S)
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ssl is not None:
+                raw.settimeout(header_s)  # Python's timeouts: see set_recv_timeout
                 conn = self._ssl.wrap_socket(raw, server_side=True)
+            else:
+                set_kernel_timeouts(raw, header_s, SEND_TIMEOUT_S)
             first = True
             while not self._stopped.is_set():
                 if first:
@@ -353,6 +355,8 @@ class BulkServer:
             if self.on_read is not None and where:
                 self.on_read([k for k in keys if k in where], reader)
             locs = [where.get(k) for k in keys]
+            if isinstance(conn, ssl.SSLSocket):
+                conn.settimeout(SEND_TIMEOUT_S)  # it bounded the request's reads until now
             table = struct.pack(f"<I{len(keys)}Q", len(keys),
                                 *(MISSING if loc is None else loc.nbytes for loc in locs))
             out = RESP_HEAD.pack(MAGIC, STATUS_OK, 0) + table

@@ -72,8 +72,9 @@ class BulkClient:
         except OSError as exc:
             raise NodeUnavailable(f"cannot reach bulk channel {self.address}: {exc}") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        set_kernel_timeouts(sock, self.timeout_s, self.timeout_s)
-        if self._ssl is not None:
+        if self._ssl is None:
+            set_kernel_timeouts(sock, self.timeout_s, self.timeout_s)
+        else:  # keeps create_connection's Python timeout: ssl retries a kernel one forever
             try:
                 sock = self._ssl.wrap_socket(sock, server_hostname=self._server_hostname)
             except (OSError, ssl.SSLError) as exc:

@@ -130,14 +130,20 @@ def _timeval(secs: float) -> bytes:
 
 def set_kernel_timeouts(sock: socket.socket, recv_s: float, send_s: float) -> None:
     """Blocking socket with kernel-side timeouts: MSG_WAITALL and sendall then work in one
-    syscall, where Python's own timeouts would make the socket non-blocking and poll."""
+    syscall, where Python's own timeouts would make the socket non-blocking and poll. Plain
+    sockets only: a TLS socket would retry the timeout forever (``set_recv_timeout``)."""
     sock.settimeout(None)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(recv_s))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(send_s))
 
 
 def set_recv_timeout(sock: socket.socket, recv_s: float) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(recv_s))
+    """Bound the next reads. A TLS socket takes Python's timeout instead (which bounds its
+    sends too): ``ssl`` retries a blocking socket's kernel timeout (EAGAIN) forever."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(recv_s)
+    else:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(recv_s))
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
