@@ -60,6 +60,11 @@ class PermissionDenied(KVStoreError):
     (another tenant's blocks, a write with a read-only credential, an admin call)."""
 
 
+class Overloaded(KVStoreError):
+    """A store node is at one of its configured limits (Put streams in flight, open leases,
+    bytes of unfinished Puts); nothing was done: retry shortly (the client does, with backoff)."""
+
+
 class NodeUnavailable(KVStoreError):
     """A store node or the coordinator could not be reached before the deadline."""
 

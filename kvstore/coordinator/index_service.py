@@ -13,7 +13,9 @@ core locked, so an answer is the one the actor call would give, and "Put returns
 key is visible" holds the same way (``Publish`` replies after the core recorded the entries).
 Everything else (registration, heartbeats, eviction, pins, status) stays on Ray. The server
 binds and authenticates as a store node does (``server.host``, ``server.auth_token``, TLS
-files); ``coordinator.index_port: null`` turns it off and every caller uses the actor.
+files); ``coordinator.index_port: null`` turns it off and every caller uses the actor. Any
+valid credential may look keys up (a tenant can only name keys it could compute); only the
+cluster token (admin: store nodes) may publish.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import grpc
 from kvstore.api import PrefixHit
 from kvstore.config import ClientConfig, ServerConfig
 from kvstore.constants import KEY_NBYTES
-from kvstore.errors import KVStoreError
+from kvstore.errors import KVStoreError, PermissionDenied, Unauthenticated
 from kvstore.index.base import IndexEntry
 from kvstore.index.packed import unpack_entries
+from kvstore.node.auth import AuthGate
 from kvstore.node.wire import AUTH_HEADER, error_from_rpc, open_channel, start_grpc_server
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
@@ -102,8 +105,9 @@ def decode_publish(msg: pb.PublishRequest) -> list[IndexEntry]:
 
 
 class _Servicer(pb_grpc.CoordinatorIndexServicer):
-    def __init__(self, core: Any) -> None:
+    def __init__(self, core: Any, gate: AuthGate | None = None) -> None:
         self.core = core
+        self.gate = gate or AuthGate()
 
     def LookupPrefix(self, request: pb.JoinedKeys, context: grpc.ServicerContext
                      ) -> pb.HoldersReply:
@@ -116,6 +120,14 @@ class _Servicer(pb_grpc.CoordinatorIndexServicer):
                                         lambda: self.core.holders(split_keys(request.keys))))
 
     def Publish(self, request: pb.PublishRequest, context: grpc.ServicerContext) -> pb.Empty:
+        """Store nodes' publishes: the cluster token only (a tenant must not announce blocks
+        as held by a node, nor make the coordinator track keys for it)."""
+        try:
+            self.gate.grant_of(context).check_admin("Publish")
+        except Unauthenticated as exc:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"Unauthenticated: {exc}")
+        except PermissionDenied as exc:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, f"PermissionDenied: {exc}")
         self._run(context, lambda: self.core.publish(request.node_id, decode_publish(request)))
         return pb.Empty()
 
@@ -132,17 +144,23 @@ class IndexServer:
 
     def __init__(self, core: Any, config: ServerConfig, port: int) -> None:
         self._core, self._config, self._port = core, config, port
+        self._gate = AuthGate.from_config(config)
         self._server: grpc.Server | None = None
         self.address = ""
+
+    def set_auth_tokens(self, auth_token: str | None, previous_auth_token: str | None = None
+                        ) -> None:
+        """Accept ``auth_token`` (and ``previous_auth_token``) from the next call on."""
+        self._gate.set_tokens(auth_token, previous_auth_token)
 
     def start(self) -> str:
         """Bind and serve; returns the ``host:port`` callers dial."""
         cfg = self._config
         self._server, port = start_grpc_server(
             cfg, self._port, lambda server: pb_grpc.add_CoordinatorIndexServicer_to_server(
-                _Servicer(self._core), server),
+                _Servicer(self._core, self._gate), server),
             max_workers=8, thread_prefix="kvstore-index", max_message_bytes=MAX_MESSAGE_BYTES,
-            what="coordinator.index_port")
+            what="coordinator.index_port", gate=self._gate)
         self.address = f"{cfg.advertise_host or cfg.host}:{port}"
         return self.address
 

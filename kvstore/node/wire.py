@@ -9,7 +9,6 @@ code of ``status_for``; the client rebuilds the class from the name, else from t
 from __future__ import annotations
 
 import dataclasses
-import hmac
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
@@ -27,6 +26,7 @@ from kvstore.errors import (
     LeaseExpired,
     NamespaceMismatch,
     NodeUnavailable,
+    Overloaded,
     PermissionDenied,
     PoolFull,
     RequestCancelled,
@@ -34,15 +34,16 @@ from kvstore.errors import (
     Unauthenticated,
 )
 from kvstore.keys import Namespace
+from kvstore.node.auth import AUTH_HEADER as AUTH_HEADER
+from kvstore.node.auth import AuthGate, AuthInterceptor
 from kvstore.reader_metrics import ReaderTally
 from kvstore.security.tls import client_ca, server_cert_and_key
 from protos import kvstore_pb2 as pb
 
-AUTH_HEADER = "authorization"
-
 #: Server side: the status code each error travels as (first match wins: subclasses first).
 _STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (PoolFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Overloaded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (RequestTooLarge, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (BlockNotFound, grpc.StatusCode.NOT_FOUND),
     (LeaseExpired, grpc.StatusCode.FAILED_PRECONDITION),
@@ -57,7 +58,8 @@ _STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [
 _ERROR_BY_NAME: dict[str, type[KVStoreError]] = {
     cls.__name__: cls
     for cls in (BlockCorrupted, BlockMismatch, NamespaceMismatch, BlockNotFound, ConfigError,
-                PoolFull, RequestTooLarge, LeaseExpired, Unauthenticated, PermissionDenied)
+                PoolFull, RequestTooLarge, LeaseExpired, Unauthenticated, PermissionDenied,
+                Overloaded)
 }
 #: Client side: the error a status code stands for when the message names no known class
 #: (gRPC's own failures: deadlines, cancellations, a peer that is not a store node).
@@ -87,6 +89,8 @@ def error_from_rpc(exc: grpc.RpcError, address: str) -> KVStoreError:
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
     name = details.split(":", 1)[0]
     cls = _ERROR_BY_NAME.get(name) or _ERROR_BY_CODE.get(code, NodeUnavailable)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" in details:
+        cls = Overloaded  # gRPC's own refusal past server.max_concurrent_rpcs
     return cls(f"{address}: {code.name}: {details}")
 
 
@@ -102,14 +106,18 @@ def bind_node_ip(config: ServerConfig, ip: str) -> ServerConfig:
 
 def start_grpc_server(config: ServerConfig, port: int, add_servicer: Callable[[grpc.Server], None],
                       *, max_workers: int, thread_prefix: str, max_message_bytes: int,
-                      what: str) -> tuple[grpc.Server, int]:
-    """A started gRPC server on ``config.host:port`` with ``config``'s token check and TLS
-    (the store node's and the coordinator's index service alike); returns it and its port.
+                      what: str, gate: AuthGate | None = None) -> tuple[grpc.Server, int]:
+    """A started gRPC server on ``config.host:port`` with ``config``'s credential check
+    (``gate``, built from ``config`` if not given: pass one to reload it later), TLS and
+    ``server.max_concurrent_rpcs`` (calls past it are refused RESOURCE_EXHAUSTED at once),
+    for the store node and the coordinator's index service alike; returns it and its port.
     ``what`` names the setting to change when the port is taken."""
-    interceptors = [AuthInterceptor(config.auth_token)] if config.auth_token else []
+    gate = gate or AuthGate.from_config(config)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix=thread_prefix),
-                         interceptors=interceptors, options=grpc_options(max_message_bytes))
+                         interceptors=[AuthInterceptor(gate)],
+                         options=grpc_options(max_message_bytes),
+                         maximum_concurrent_rpcs=config.max_concurrent_rpcs)
     add_servicer(server)
     bind = f"{config.host}:{port}"
     pair = server_cert_and_key(config)
@@ -162,40 +170,6 @@ def spec_from_namespace(ns: Namespace) -> pb.NamespaceSpec:
         dtype=ns.dtype, block_size=ns.block_size, num_layers=ns.num_layers,
         num_kv_heads=ns.num_kv_heads, head_dim=ns.head_dim, cache_salt=ns.cache_salt,
     )
-
-
-class AuthInterceptor(grpc.ServerInterceptor):
-    """Rejects calls whose ``authorization: Bearer <token>`` metadata is missing or wrong."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-    def intercept_service(self, continuation: Callable, details: Any) -> Any:
-        for name, value in details.invocation_metadata or ():
-            if name == AUTH_HEADER:
-                got = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(got, self._expected):
-                    return continuation(details)
-        handler = continuation(details)
-        if handler is None:
-            return None
-        return _deny(handler)
-
-
-def _deny(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind that fails with UNAUTHENTICATED."""
-
-    def fail(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong auth token "
-                      "(set client.auth_token to the server's server.auth_token)")
-
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(fail)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(fail)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(fail)
-    return grpc.unary_unary_rpc_method_handler(fail)
 
 
 def tally_to_proto(tally: ReaderTally) -> pb.ReaderReport:
