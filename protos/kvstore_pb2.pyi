@@ -57,12 +57,14 @@ class PutResponse(_message.Message):
     def __init__(self, num_stored: _Optional[int] = ..., num_existing: _Optional[int] = ...) -> None: ...
 
 class KeysRequest(_message.Message):
-    __slots__ = ("keys", "reader_node_id")
+    __slots__ = ("keys", "reader_node_id", "namespace")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     READER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     reader_node_id: str
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., reader_node_id: _Optional[str] = ...) -> None: ...
+    namespace: NamespaceSpec
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., reader_node_id: _Optional[str] = ..., namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
 
 class GetChunk(_message.Message):
     __slots__ = ("key", "found", "total_nbytes", "offset", "data")
@@ -79,16 +81,18 @@ class GetChunk(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., found: _Optional[bool] = ..., total_nbytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("keys", "ttl_s", "reader_node_id", "release_lease_ids")
+    __slots__ = ("keys", "ttl_s", "reader_node_id", "release_lease_ids", "namespace")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     READER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     ttl_s: float
     reader_node_id: str
     release_lease_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ..., reader_node_id: _Optional[str] = ..., release_lease_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    namespace: NamespaceSpec
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ..., reader_node_id: _Optional[str] = ..., release_lease_ids: _Optional[_Iterable[str]] = ..., namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
 
 class BlockLocation(_message.Message):
     __slots__ = ("key", "offset", "nbytes")

@@ -299,7 +299,11 @@ class CoordinatorCore(OperatorCalls):
             self.hot.clear()
         for reader_id, keys in remote_reads.items():
             reader = self.nodes.get(reader_id)
-            if reader is None or reader is source or reader.draining or not keys:
+            # Only to a registered, live node (``nodes`` holds the live ones): store nodes
+            # count a read toward a reader node only when the cluster token names it, and an
+            # id nobody registered gets no orders either way.
+            if (reader is None or reader.address is None or reader is source
+                    or reader.draining or not keys):
                 continue
             masks = self.lru.holder_masks(keys).tolist()
             sizes = self.lru.nbytes[self.lru.lookup(keys)].tolist()

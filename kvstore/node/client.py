@@ -27,6 +27,7 @@ from kvstore.errors import (
     KVStoreError,
     LeaseExpired,
     NodeUnavailable,
+    Overloaded,
 )
 from kvstore.keys import Namespace
 from kvstore.node.bulk import BulkClient
@@ -95,18 +96,28 @@ class StoreNodeClient:
 
     # -- plumbing ---------------------------------------------------------------------------
     def _call(self, fn: Callable[[], T]) -> T:
-        """Run one call with retries on UNAVAILABLE; map every failure to a kvstore error."""
-        delay = 0.05
-        for attempt in range(self.config.retries + 1):
+        """Run one call with retries on UNAVAILABLE; map every failure to a kvstore error.
+
+        A node at one of its limits (``Overloaded``: Put streams, open leases) did nothing,
+        so that is retried too, with backoff, for up to ``timeout_s``."""
+        delay, busy_delay = 0.05, 0.02
+        attempt = 0
+        give_up_at = time.monotonic() + self.config.timeout_s
+        while True:
             try:
                 return fn()
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and attempt < self.config.retries:
+                    attempt += 1
                     time.sleep(delay)
                     delay *= 2
                     continue
-                raise error_from_rpc(exc, self.address) from None
-        raise AssertionError("unreachable")
+                err = error_from_rpc(exc, self.address)
+                if isinstance(err, Overloaded) and time.monotonic() + busy_delay < give_up_at:
+                    time.sleep(busy_delay)
+                    busy_delay = min(busy_delay * 2, 1.0)
+                    continue
+                raise err from None
 
     def _unary(self, method: Any, request: Any) -> Any:
         return self._call(lambda: method(request, timeout=self.config.timeout_s,
@@ -159,8 +170,12 @@ class StoreNodeClient:
             spec_from_namespace(namespace), keys, rows.shape[1], [rows]))
         return PutResult(resp.num_stored, resp.num_existing)
 
-    def get_blocks(self, keys: Sequence[bytes]) -> list[bytes | bytearray | None]:
-        """Whole encoded blocks (None where the node does not hold the key), in order."""
+    def get_blocks(self, keys: Sequence[bytes], namespace: Namespace | None = None
+                   ) -> list[bytes | bytearray | None]:
+        """Whole encoded blocks (None where the node does not hold the key), in order.
+
+        ``namespace``: the namespace read in; the node serves only its blocks, to a credential
+        granting its tenant. Only the cluster token may leave it out (replication)."""
         keys = [bytes(k) for k in keys]
         if self._bulk is not None:
             out: list[bytes | bytearray | None] = [None] * len(keys)
@@ -170,14 +185,20 @@ class StoreNodeClient:
                 out[i] = buf
                 return memoryview(buf)
 
-            sizes = self._bulk.fetch_into(keys, alloc)
+            sizes = self._bulk.fetch_into(keys, alloc, namespace=namespace)
             return [b if s is not None else None for b, s in zip(out, sizes, strict=True)]
-        return self._call(lambda: self._grpc_get(keys))
+        return self._call(lambda: self._grpc_get(keys, namespace))
 
-    def _grpc_get(self, keys: list[bytes]) -> list[bytes | bytearray | None]:
+    def _keys_request(self, keys: list[bytes], namespace: Namespace | None) -> pb.KeysRequest:
+        return pb.KeysRequest(keys=keys, reader_node_id=self.reader_node_id,
+                              namespace=None if namespace is None
+                              else spec_from_namespace(namespace))
+
+    def _grpc_get(self, keys: list[bytes], namespace: Namespace | None
+                  ) -> list[bytes | bytearray | None]:
         found: dict[bytes, bytes | bytearray] = {}
         partial: dict[bytes, bytearray] = {}
-        stream = self._stub.Get(pb.KeysRequest(keys=keys, reader_node_id=self.reader_node_id),
+        stream = self._stub.Get(self._keys_request(keys, namespace),
                                 timeout=self.config.timeout_s, metadata=self._metadata)
         for msg in stream:
             if not msg.found:
@@ -195,22 +216,25 @@ class StoreNodeClient:
             raise NodeUnavailable(f"{self.address} ended the Get stream inside a block")
         return [found.get(k) for k in keys]
 
-    def get_blocks_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer]
-                        ) -> list[int | None]:
+    def get_blocks_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer],
+                        namespace: Namespace | None = None) -> list[int | None]:
         """Copy blocks into the caller's buffers; returns each block's size (None: absent).
 
         Same node: lease, one copy from the holder's shared memory, release. Otherwise the
-        bulk channel (``recv_into`` the buffers), else gRPC.
+        bulk channel (``recv_into`` the buffers), else gRPC. ``namespace``: as in
+        ``get_blocks`` (unverified here: ``get_verified_into`` verifies).
         """
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         keys = [bytes(k) for k in keys]
         if self.same_node:
-            return self._shm_get_into(keys, buffers)
+            return self._shm_get_into(keys, buffers, scope=namespace)
         if self._bulk is not None:
-            return self._bulk.fetch_into(keys, lambda i, n: _byte_view(buffers[i]))
+            return self._bulk.fetch_into(keys, lambda i, n: _byte_view(buffers[i]),
+                                         namespace=namespace)
         sizes: list[int | None] = []
-        for data, buf in zip(self._call(lambda: self._grpc_get(keys)), buffers, strict=True):
+        for data, buf in zip(self._call(lambda: self._grpc_get(keys, namespace)), buffers,
+                             strict=True):
             if data is None:
                 sizes.append(None)
                 continue
@@ -264,17 +288,18 @@ class StoreNodeClient:
             self._bulk.fetch_into(keys, lambda i, n: _byte_view(buffers[i]), verify,
                                   namespace=namespace)
         else:
-            verify(0, self.get_blocks_into(keys, buffers))
+            verify(0, self.get_blocks_into(keys, buffers, namespace))
         return out
 
     def _shm_get_into(self, keys: list[bytes], buffers: Sequence[Buffer],
                       namespace: Namespace | None = None,
-                      token_ids: Sequence[Any] | None = None
-                      ) -> list[Any]:
+                      token_ids: Sequence[Any] | None = None, *,
+                      scope: Namespace | None = None) -> list[Any]:
         """Lease, copy each block once out of the holder's arena (verifying it in the same
-        pass when ``namespace`` is given), then release without waiting for the reply."""
+        pass when ``namespace`` is given), then release without waiting for the reply.
+        ``scope``: the namespace the lease is asked in (default ``namespace``)."""
         granted = [time.monotonic()]  # before the call: the node's clock starts no earlier
-        lease = self.lease(keys, self.lease_ttl_s)
+        lease = self.lease(keys, self.lease_ttl_s, namespace=scope or namespace)
 
         def keep_alive() -> None:
             # Renew inline, between blocks, once a third of the TTL has gone: a block copies
@@ -321,8 +346,11 @@ class StoreNodeClient:
                                f"{exc}") from exc
 
     # -- leases -----------------------------------------------------------------------------
-    def lease(self, keys: Sequence[bytes], ttl_s: float) -> LeaseInfo:
-        """Pin the held ``keys`` on the node for ``ttl_s`` seconds (absent ones are listed).
+    def lease(self, keys: Sequence[bytes], ttl_s: float, *,
+              namespace: Namespace | None = None) -> LeaseInfo:
+        """Pin the held ``keys`` on the node for ``ttl_s`` seconds (absent ones are listed;
+        the node clamps ``ttl_s`` to its ``server.max_lease_ttl_s``). ``namespace``: as in
+        ``get_blocks``: blocks of another namespace are listed as absent.
 
         Leases ended with ``release_nowait`` and not sent yet ride along and are released
         first (put back if the call fails: the release thread sends them then)."""
@@ -331,7 +359,8 @@ class StoreNodeClient:
         try:
             resp = self._unary(self._stub.Lease, pb.LeaseRequest(
                 keys=list(keys), ttl_s=ttl_s, reader_node_id=self.reader_node_id,
-                release_lease_ids=done))
+                release_lease_ids=done,
+                namespace=None if namespace is None else spec_from_namespace(namespace)))
         except BaseException:
             if done:
                 with self._release_lock:
@@ -388,8 +417,10 @@ class StoreNodeClient:
                 self.release(lease_id)
 
     # -- admin ------------------------------------------------------------------------------
-    def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        return list(self._unary(self._stub.Exists, pb.KeysRequest(keys=list(keys))).present)
+    def exists(self, keys: Sequence[bytes], namespace: Namespace | None = None) -> list[bool]:
+        """Whether the node holds each key (in ``namespace``: as in ``get_blocks``)."""
+        request = self._keys_request([bytes(k) for k in keys], namespace)
+        return list(self._unary(self._stub.Exists, request).present)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         return self._unary(self._stub.Delete, pb.KeysRequest(keys=list(keys))).num_deleted

@@ -124,6 +124,7 @@ class BlockPool:
         self._leases: dict[int, _LeaseRecord] = {}
         self._expiry_heap: list[tuple[float, int]] = []  # lazy: stale items skipped on pop
         self._reservations: dict[int, Reservation] = {}
+        self._reserved_bytes = 0  # aligned bytes of open reservations (not yet committed)
         self._ids = itertools.count(1)
         self._counters = _Counters()
         self._closed = False
@@ -157,6 +158,7 @@ class BlockPool:
             res = Reservation(next(self._ids), key, offset, nbytes,
                               self._arena.view[offset : offset + nbytes])
             self._reservations[res.reservation_id] = res
+            self._reserved_bytes += align_up(nbytes)
         return res
 
     def commit(self, reservation: Reservation) -> bool:
@@ -194,6 +196,7 @@ class BlockPool:
                     raise
                 res = Reservation(next(ids), key, offset, nbytes, view[offset : offset + nbytes])
                 self._reservations[res.reservation_id] = res
+                self._reserved_bytes += align_up(nbytes)
                 out.append(res)
         return out
 
@@ -384,6 +387,19 @@ class BlockPool:
             self._reap_expired_locked(time.monotonic())
             return self.capacity_bytes - self._alloc.free_bytes
 
+    def committed_bytes(self) -> int:
+        """Bytes in use by committed blocks (and deleted ones still leased): ``used_bytes``
+        less open reservations. Eviction pressure is measured in these, so a Put that has
+        reserved space but not committed it never makes the node evict committed blocks."""
+        with self._lock:
+            self._reap_expired_locked(time.monotonic())
+            return self.capacity_bytes - self._alloc.free_bytes - self._reserved_bytes
+
+    def reserved_bytes(self) -> int:
+        """Bytes held by reservations not yet committed or aborted."""
+        with self._lock:
+            return self._reserved_bytes
+
     def stats(self) -> PoolStats:
         with self._lock:
             self._reap_expired_locked(time.monotonic())
@@ -411,6 +427,7 @@ class BlockPool:
                 with contextlib.suppress(BufferError):
                     res.view.release()
             self._reservations.clear()
+            self._reserved_bytes = 0
         self._arena.close()
 
     def __enter__(self) -> BlockPool:
@@ -448,6 +465,7 @@ class BlockPool:
                 f"reservation {reservation.reservation_id} for {reservation.key.hex()[:16]} was "
                 "already committed or aborted (or the pool was closed)"
             )
+        self._reserved_bytes -= align_up(reservation.nbytes)
         with contextlib.suppress(BufferError):  # the writer's own export outlives us harmlessly
             reservation.view.release()
 

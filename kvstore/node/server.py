@@ -1,39 +1,52 @@
 """A store node's gRPC server: put/get, leases for same-node readers, admin calls.
 
-Errors leave as gRPC status codes here (the table is in ``kvstore.node.wire``). The write path
-(the Put stream and the unary PutBatch: two-phase per block, returning only after
-``on_publish`` made the keys visible in the index) is ``kvstore.node.put_path``, mixed into the
-servicer; the node's bookkeeping it uses (metadata cache, publisher) lives here. Remote bulk
-reads go through ``kvstore.node.bulk`` instead of ``Get`` when the client has its address
-(see that module for why).
+Errors leave as gRPC status codes here (the table is in ``kvstore.node.wire``). Every call
+passes the credential check first (``kvstore.node.auth``); then reads (Get, Exists, Lease)
+see only the blocks of the namespace they name, if the credential grants its tenant
+(``kvstore.node.access``), and ListKeys, Delete, Evict, Stats and ReportReads are admin calls.
+The write path (the Put stream and the unary PutBatch: two-phase per block, returning only
+after ``on_publish`` made the keys visible in the index) is ``kvstore.node.put_path``, mixed
+into the servicer. Leases are ``kvstore.node.leases``; the bounds on stalled streams are
+``kvstore.node.limits``. Remote bulk reads go through ``kvstore.node.bulk`` instead of ``Get``
+when the client has its address (see that module for why).
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
 import grpc
 
 from kvstore import metrics
-from kvstore.block import read_header
 from kvstore.config import ServerConfig
 from kvstore.errors import (
-    BlockCorrupted,
     BlockNotFound,
+    ConfigError,
     KVStoreError,
     LeaseExpired,
+    PermissionDenied,
+    Unauthenticated,
 )
 from kvstore.index.base import IndexEntry
+from kvstore.node.access import ReadScope, RootCache, read_scope, spec_of
+from kvstore.node.auth import AuthGate
 from kvstore.node.bulk import BulkServer
+from kvstore.node.leases import LeaseTable, clamp_ttl
+from kvstore.node.limits import PutLimits, StreamWatchdog
+from kvstore.node.meta import BlockMeta
 from kvstore.node.pool import ServedPool
 from kvstore.node.publisher import CoalescingPublisher
 from kvstore.node.put_path import PutPath, abort_with, check_keys
 from kvstore.node.wire import start_grpc_server, tally_from_proto
+from kvstore.security.grants import Grant
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
+
+#: Bytes of unfinished Put blocks a node buffers at most: this share of its capacity ...
+_PENDING_SHARE = 4
+#: ... but never less than this (a small test pool still takes a few MiB-sized blocks).
+_MIN_PENDING_BYTES = 64 << 20
 
 
 class _Servicer(PutPath, pb_grpc.StoreNodeServicer):
@@ -41,22 +54,53 @@ class _Servicer(PutPath, pb_grpc.StoreNodeServicer):
         self.s = server
         self.pool = server.pool
 
+    # -- who is calling ---------------------------------------------------------------------
+    def grant(self, context: grpc.ServicerContext) -> Grant:
+        try:
+            return self.s.gate.grant_of(context)
+        except Unauthenticated as exc:
+            abort_with(context, exc)
+            raise  # unreachable: abort raises
+
+    def _admin(self, context: grpc.ServicerContext, call: str) -> Grant:
+        grant = self.grant(context)
+        try:
+            grant.check_admin(call)
+        except PermissionDenied as exc:
+            abort_with(context, exc)
+        return grant
+
+    def _scope(self, request: pb.KeysRequest | pb.LeaseRequest, context: grpc.ServicerContext,
+               grant: Grant | None = None) -> ReadScope:
+        grant = grant or self.grant(context)
+        try:
+            return read_scope(grant, spec_of(request), self.s.roots, request.reader_node_id)
+        except (PermissionDenied, ConfigError) as exc:
+            abort_with(context, exc)
+            raise  # unreachable
+
     # -- data: Put and PutBatch are PutPath's (kvstore.node.put_path) ----------------
     def Get(self, request: pb.KeysRequest, context: grpc.ServicerContext) -> Iterator[pb.GetChunk]:
+        scope = self._scope(request, context)
         try:
             keys = check_keys(request.keys)
         except ValueError as exc:
             abort_with(context, exc)
+        return self.s.watchdog.responses(context, self._get(keys, scope))
+
+    def _get(self, keys: list[bytes], scope: ReadScope) -> Iterator[pb.GetChunk]:
         chunk = self.s.chunk_bytes
-        for key in keys:
+        for key, visible in zip(keys, self.s.visible(keys, scope.root), strict=True):
             try:
+                if not visible:
+                    raise BlockNotFound(key.hex())
                 with self.pool.read(key) as view:
                     total = len(view)
                     parts = [bytes(view[off : off + chunk]) for off in range(0, total, chunk)]
             except BlockNotFound:
                 yield pb.GetChunk(key=key, found=False)
                 continue
-            self.s.record_reads([key], request.reader_node_id)
+            self.s.record_reads([key], scope.reader_node_id)
             metrics.record_served("grpc", 1, total)
             for i, data in enumerate(parts):
                 yield pb.GetChunk(key=key, found=True, total_nbytes=total, offset=i * chunk,
@@ -64,18 +108,24 @@ class _Servicer(PutPath, pb_grpc.StoreNodeServicer):
 
     # -- leases for same-node readers -------------------------------------------------------
     def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseResponse:
+        grant = self.grant(context)
         for wire_id in request.release_lease_ids:  # the reader's finished leases, first
-            self._release(wire_id)
+            self._release(wire_id, grant)
+        scope = self._scope(request, context, grant)
         try:
             keys = check_keys(request.keys)
-            ttl = request.ttl_s if request.ttl_s > 0 else self.s.default_lease_ttl_s
-            lease = self.pool.lease(keys, ttl)  # absent keys are left out of the lease
+            ttl = self.s.lease_ttl(request.ttl_s)
+            if not grant.admin:
+                self.s.leases.check_room(grant.subject)
+            wanted = [k for k, ok in zip(keys, self.s.visible(keys, scope.root), strict=True)
+                      if ok]
+            lease = self.pool.lease(wanted, ttl)  # absent keys are left out of the lease
         except (KVStoreError, ValueError) as exc:
             abort_with(context, exc)
-        lease_id = self.s.track_lease(lease)
+        lease_id = self.s.leases.track(lease.lease_id, lease.expires_at, grant.subject)
         got = {loc.key for loc in lease.locations}
         metrics.record_served("shm", len(got), sum(loc.nbytes for loc in lease.locations))
-        self.s.record_reads([k for k in keys if k in got], request.reader_node_id)
+        self.s.record_reads([k for k in keys if k in got], scope.reader_node_id)
         return pb.LeaseResponse(
             lease_id=lease_id,
             locations=[pb.BlockLocation(key=loc.key, offset=loc.offset, nbytes=loc.nbytes)
@@ -87,37 +137,41 @@ class _Servicer(PutPath, pb_grpc.StoreNodeServicer):
 
     def RenewLease(self, request: pb.RenewLeaseRequest, context: grpc.ServicerContext
                    ) -> pb.RenewLeaseResponse:
+        grant = self.grant(context)
         try:
-            ttl = request.ttl_s if request.ttl_s > 0 else self.s.default_lease_ttl_s
-            if not self.pool.renew(self.s.lease_of(request.lease_id), ttl):
+            ttl = self.s.lease_ttl(request.ttl_s)
+            pool_id = self.s.leases.for_renew(request.lease_id, grant.subject)
+            if not self.pool.renew(pool_id, ttl):
                 raise LeaseExpired(f"lease {request.lease_id!r} ended before it was renewed")
         except (KVStoreError, ValueError) as exc:
             abort_with(context, exc)
+        self.s.leases.renewed(request.lease_id, time.monotonic() + ttl)
         return pb.RenewLeaseResponse(expires_at=time.time() + ttl)
 
     def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: grpc.ServicerContext
                      ) -> pb.Empty:
-        self._release(request.lease_id)
+        self._release(request.lease_id, self.grant(context))
         return pb.Empty()
 
-    def _release(self, wire_id: str) -> None:
-        lease_id = self.s.forget_lease(wire_id)
-        if lease_id is not None:
-            self.pool.release(lease_id)
+    def _release(self, wire_id: str, grant: Grant) -> None:
+        """End the caller's own lease; another credential's id is ignored, quietly."""
+        pool_id = self.s.leases.take(wire_id, grant.subject)
+        if pool_id is not None:
+            self.pool.release(pool_id)
 
-    # -- admin ------------------------------------------------------------------------------
+    # -- presence and admin -----------------------------------------------------------------
     def Exists(self, request: pb.KeysRequest, context: grpc.ServicerContext) -> pb.ExistsResponse:
+        scope = self._scope(request, context)
+        keys = list(request.keys)
         present, sizes = [], []
-        for key in request.keys:
-            held = self.pool.contains(key)
-            present.append(held)
-            sizes.append(self._nbytes(key) if held else 0)
+        for key, visible in zip(keys, self.s.visible(keys, scope.root), strict=True):
+            nbytes = self.pool.nbytes_of(key) if visible else None
+            present.append(nbytes is not None)
+            sizes.append(nbytes or 0)  # evicted since: 0, as if absent
         return pb.ExistsResponse(present=present, nbytes=sizes)
 
-    def _nbytes(self, key: bytes) -> int:
-        return self.pool.nbytes_of(key) or 0  # evicted since contains(): 0, as if absent
-
     def Delete(self, request: pb.KeysRequest, context: grpc.ServicerContext) -> pb.DeleteResponse:
+        self._admin(context, "Delete")
         n = 0
         for key in request.keys:
             try:
@@ -131,6 +185,7 @@ class _Servicer(PutPath, pb_grpc.StoreNodeServicer):
         return pb.DeleteResponse(num_deleted=n)
 
     def Evict(self, request: pb.KeysRequest, context: grpc.ServicerContext) -> pb.EvictResponse:
+        self._admin(context, "Evict")
         keys = list(request.keys)
         held = [k for k in keys if self.pool.contains(k)]
         try:
@@ -145,6 +200,7 @@ class _Servicer(PutPath, pb_grpc.StoreNodeServicer):
         return pb.EvictResponse(bytes_freed=int(freed))
 
     def Stats(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.StatsResponse:
+        self._admin(context, "Stats")
         st = self.pool.stats()
 
         def field(*names: str) -> int:
@@ -160,12 +216,14 @@ class _Servicer(PutPath, pb_grpc.StoreNodeServicer):
         )
 
     def Health(self, request: pb.Empty, context: grpc.ServicerContext) -> pb.HealthResponse:
+        self.grant(context)  # any valid credential
         grpc_addr, bulk_addr = self.s.addresses
         return pb.HealthResponse(node_id=self.s.node_id, serving=True, grpc_address=grpc_addr,
                                  bulk_address=bulk_addr or "", shm_path=self.pool.path)
 
     def ReportReads(self, request: pb.ReaderReport, context: grpc.ServicerContext) -> pb.Empty:
         """A reader's metrics since its last report: served from this node's /metrics."""
+        self._admin(context, "ReportReads")
         try:
             metrics.apply_reader_tally(tally_from_proto(request))
         except ValueError as exc:
@@ -174,7 +232,10 @@ class _Servicer(PutPath, pb_grpc.StoreNodeServicer):
 
     def ListKeys(self, request: pb.ListKeysRequest, context: grpc.ServicerContext
                  ) -> Iterator[pb.KeyPage]:
-        page_size = request.page_size or 1024
+        self._admin(context, "ListKeys")
+        return self.s.watchdog.responses(context, self._list_keys(request.page_size or 1024))
+
+    def _list_keys(self, page_size: int) -> Iterator[pb.KeyPage]:
         page: list[pb.KeyInfo] = []
         for key in list(self.pool.keys()):
             info = self.s.key_info(key)
@@ -194,10 +255,14 @@ class StoreServer:
     def __init__(self, pool: ServedPool, node_id: str, config: ServerConfig,
                  on_publish: Callable[[list[IndexEntry]], None] | None = None,
                  *, bulk: bool = True, default_lease_ttl_s: float = 30.0,
-                 on_read: Callable[[list[bytes], str], None] | None = None) -> None:
+                 on_read: Callable[[list[bytes], str], None] | None = None,
+                 data_key: bytes | None = None) -> None:
         """``on_read(keys, reader_node_id)`` hears of every block served (Get, Lease, bulk),
-        with the reader's Ray node id ("" when the client did not say): LRU touches and
-        per-reader remote-read counts for hot-prefix replication come from it."""
+        with the reader's Ray node id ("" when the client did not say, or is a tenant): LRU
+        touches and per-reader remote-read counts for hot-prefix replication come from it.
+        ``data_key``: the cluster's data secret (``security.data_key``), with which writers
+        and readers compute namespace roots; the node needs it to verify Puts and to know
+        which blocks belong to the namespace a reader names."""
         self.pool = pool
         self.node_id = node_id
         self.config = config
@@ -205,26 +270,39 @@ class StoreServer:
         # Concurrent Puts share one index call; each still returns only once it is visible.
         self.publisher = CoalescingPublisher(on_publish) if on_publish is not None else None
         self.on_read = on_read
-        self.default_lease_ttl_s = default_lease_ttl_s
+        self.data_key = data_key
+        self.gate = AuthGate.from_config(config)
+        self.roots = RootCache(data_key)
+        self.max_lease_ttl_s = config.max_lease_ttl_s
+        self.default_lease_ttl_s = min(default_lease_ttl_s, config.max_lease_ttl_s)
+        self.leases = LeaseTable()
+        self.put_limits = PutLimits(config.max_concurrent_puts, max(
+            pool.capacity_bytes // _PENDING_SHARE, _MIN_PENDING_BYTES))
+        self.watchdog = StreamWatchdog(config.put_idle_timeout_s)
         # Headroom for the protobuf framing around one chunk of block bytes.
         self.chunk_bytes = config.max_message_bytes - (64 << 10)
-        self.max_block_bytes = int(pool.capacity_bytes or (1 << 62))
-        self._meta: dict[bytes, tuple[bytes, bytes]] = {}
-        self._leases: dict[str, tuple[Any, float]] = {}
-        self._lock = threading.Lock()
+        self.max_block_bytes = min(config.max_block_bytes, int(pool.capacity_bytes or 1 << 62))
+        self.meta = BlockMeta(pool)
         self._grpc: grpc.Server | None = None
-        self._bulk = BulkServer(pool, config, on_read=self.record_reads) if bulk else None
+        self._bulk = BulkServer(pool, config, on_read=self.record_reads, data_key=data_key,
+                                root_of=self.meta.cached_root) if bulk else None
         self._ports: tuple[int, int | None] = (0, None)
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> tuple[int, int | None]:
-        """Bind and serve; returns ``(grpc_port, bulk_port)`` (bulk_port None if disabled)."""
+        """Bind and serve; returns ``(grpc_port, bulk_port)`` (bulk_port None if disabled).
+
+        The worker pool has ``server.max_workers`` threads for reads and admin calls on top
+        of the ``server.max_concurrent_puts`` that Put streams may hold while their clients
+        send (or stall): stalled writers never take the last worker from readers."""
         cfg = self.config
         self._grpc, port = start_grpc_server(
             cfg, cfg.port, lambda server: pb_grpc.add_StoreNodeServicer_to_server(
                 _Servicer(self), server),
-            max_workers=cfg.max_workers, thread_prefix=f"kvstore-grpc-{self.node_id}",
-            max_message_bytes=cfg.max_message_bytes, what="server.port")
+            max_workers=cfg.max_workers + cfg.max_concurrent_puts,
+            thread_prefix=f"kvstore-grpc-{self.node_id}",
+            max_message_bytes=cfg.max_message_bytes, what="server.port", gate=self.gate)
+        self.watchdog.start()
         bulk_port = self._bulk.start() if self._bulk is not None else None
         self._ports = (port, bulk_port)
         return self._ports
@@ -236,6 +314,15 @@ class StoreServer:
         if self._grpc is not None:
             self._grpc.stop(grace).wait()
             self._grpc = None
+        self.watchdog.stop()
+
+    def set_auth_tokens(self, auth_token: str | None, previous_auth_token: str | None = None
+                        ) -> None:
+        """Accept ``auth_token`` (and, while a rotation hands it out, ``previous_auth_token``)
+        on gRPC and the bulk channel from the next call on; blocks and leases are kept."""
+        self.gate.set_tokens(auth_token, previous_auth_token)
+        if self._bulk is not None:
+            self._bulk.set_tokens(auth_token, previous_auth_token)
 
     @property
     def addresses(self) -> tuple[str, str | None]:
@@ -250,54 +337,37 @@ class StoreServer:
         if keys and self.on_read is not None:
             self.on_read(keys, reader_node_id)
 
+    def lease_ttl(self, ttl_s: float) -> float:
+        """The TTL a lease asked for with ``ttl_s`` gets (``kvstore.node.leases.clamp_ttl``)."""
+        return clamp_ttl(ttl_s, self.default_lease_ttl_s, self.max_lease_ttl_s)
+
+    def lease_of(self, wire_id: str) -> object:
+        """The pool's lease behind a wire lease id (LeaseExpired if unknown or released)."""
+        return self.leases.pool_id(wire_id)
+
+    def visible(self, keys: Sequence[bytes], root: bytes | None) -> list[bool]:
+        """Whether each key is a held block of namespace ``root`` (None: any held block)."""
+        if root is None:
+            return [True] * len(keys)
+        return [r == root for r in self.meta.roots_of(keys)]
+
     def remember(self, key: bytes, parent_key: bytes, namespace_root: bytes) -> None:
-        with self._lock:
-            self._meta[key] = (parent_key, namespace_root)
+        self.meta.remember(key, parent_key, namespace_root)
 
     def remember_many(self, keys_and_parents: list[tuple[bytes, bytes]], namespace_root: bytes
                       ) -> None:
-        with self._lock:
-            for key, parent_key in keys_and_parents:
-                self._meta[key] = (parent_key, namespace_root)
+        self.meta.remember_many(keys_and_parents, namespace_root)
 
     def forget(self, key: bytes) -> None:
-        with self._lock:
-            self._meta.pop(key, None)
+        self.meta.forget(key)
+
+    def forget_many(self, keys: Sequence[bytes]) -> None:
+        self.meta.forget_many(keys)
 
     def key_info(self, key: bytes) -> pb.KeyInfo | None:
         """What the index needs about a held block (header read once if not cached)."""
-        with self._lock:
-            meta = self._meta.get(key)
-        try:
-            if meta is None:
-                with self.pool.read(key) as view:
-                    header = read_header(view)
-                meta = (header.parent_key, header.namespace_root)
-                self.remember(key, *meta)
-            nbytes = self.pool.nbytes_of(key)
-        except (BlockNotFound, BlockCorrupted):
-            return None
-        if nbytes is None:  # evicted since it was read
+        meta = self.meta.get(key)
+        nbytes = self.pool.nbytes_of(key) if meta is not None else None
+        if meta is None or nbytes is None:  # not held, or evicted since it was read
             return None
         return pb.KeyInfo(key=key, nbytes=nbytes, parent_key=meta[0], namespace_root=meta[1])
-
-    def track_lease(self, lease: Any) -> str:
-        now = time.monotonic()  # the pool's lease clock
-        wire_id = str(lease.lease_id)
-        with self._lock:
-            for stale in [k for k, (_, exp) in self._leases.items() if exp < now - 60.0]:
-                del self._leases[stale]
-            self._leases[wire_id] = (lease.lease_id, lease.expires_at)
-        return wire_id
-
-    def lease_of(self, wire_id: str) -> Any:
-        with self._lock:
-            entry = self._leases.get(wire_id)
-        if entry is None:
-            raise LeaseExpired(f"lease {wire_id!r} is unknown or already released")
-        return entry[0]
-
-    def forget_lease(self, wire_id: str) -> Any:
-        with self._lock:
-            entry = self._leases.pop(wire_id, None)
-        return None if entry is None else entry[0]
