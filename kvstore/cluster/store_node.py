@@ -13,6 +13,7 @@ out-of-memory crash.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import logging
 import os
@@ -172,6 +173,8 @@ class StoreNode:
             self._evicting,
             self.node_id, bind_node_ip(config.server, ip), on_publish=self._on_publish,
             default_lease_ttl_s=config.coordinator.lease_ttl_s, on_read=self._record_reads,
+            data_key=(bytes.fromhex(config.security.data_key)
+                      if config.security.data_key else None),
         )
         self.server.start()
         grpc_address, bulk_address = self.server.addresses
@@ -265,7 +268,7 @@ class StoreNode:
 
     def _on_publish(self, entries: list[IndexEntry]) -> None:
         """Make freshly stored blocks visible before Put returns (raises = Put fails)."""
-        if self.pool.used_bytes() > self._ahead_bytes:
+        if self.pool.committed_bytes() > self._ahead_bytes:
             self._evict_ahead.set()
         if self._redis is not None:
             self._redis.publish(entries)
@@ -290,7 +293,7 @@ class StoreNode:
             self._evict_ahead.clear()
             if self._stop.is_set():
                 return
-            if self.pool.used_bytes() > self._ahead_bytes:
+            if self.pool.committed_bytes() > self._ahead_bytes:
                 try:
                     self._evicting.make_room_ahead(lambda: self._make_room(0, "watermark"))
                 except Exception as exc:  # a Put that finds the pool full asks again
@@ -299,14 +302,15 @@ class StoreNode:
     def _make_room(self, nbytes: int, cause: str = "capacity") -> bool:
         """Ask the coordinator what to evict for ``nbytes`` more; True if anything was freed.
 
-        Sends the pool's use now (the coordinator's is from the last heartbeat). Asks again,
-        a few times, when the pool refused every key it was told (leased since): the
+        Sends the pool's use now (the coordinator's is from the last heartbeat): committed
+        bytes only, so space that unfinished Puts reserved never counts as pressure. Asks
+        again, a few times, when the pool refused every key it was told (leased since): the
         coordinator then plans the next ones instead.
         """
         for _ in range(_ROOM_REQUESTS):
             try:
                 keys = self._call("request_eviction", self.node_id, nbytes,
-                                  self.pool.used_bytes())
+                                  self.pool.committed_bytes())
             except (RayActorError, GetTimeoutError, NodeUnavailable):
                 return False  # no coordinator: refuse the Put rather than guess
             if not keys:
@@ -346,10 +350,18 @@ class StoreNode:
             remote, self._remote_reads = self._remote_reads, {}
         return touched, remote
 
+    def _stats(self) -> PoolStats:
+        """The pool's stats as the coordinator sees them: ``used_bytes`` counts committed
+        blocks only (its watermark plan must never evict committed blocks because a stalled
+        Put holds a reservation)."""
+        stats = self.pool.stats()
+        return dataclasses.replace(stats, used_bytes=min(stats.used_bytes,
+                                                         self.pool.committed_bytes()))
+
     def _heartbeat(self) -> None:
         touched, remote = self._take_reads()
         try:
-            reply = self._call("heartbeat", self.node_id, self.pool.stats(), touched, remote)
+            reply = self._call("heartbeat", self.node_id, self._stats(), touched, remote)
         except Exception:
             self._record_reads(touched, "")  # keep the touches and counts for the next beat
             for reader, keys in remote.items():
@@ -368,6 +380,7 @@ class StoreNode:
         entries = []
         for key, data, header in fetch_verified(source, wanted, self.config.client,
                                                 reader_node_id=self.node_id):
+            self.server.forget(key)  # kvstore.node.meta: before the block can be committed
             try:
                 stored = self.pool.put(key, data)
             except PoolFull:
