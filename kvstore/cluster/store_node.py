@@ -208,6 +208,35 @@ class StoreNode:
         """Pin blocks in the local pool (operators pin through the coordinator)."""
         return sum(bool(self.pool.pin(k)) for k in keys)
 
+    def reload_credentials(self, auth_token: str | None, previous_auth_token: str | None,
+                           client_auth_token: str | None = None,
+                           tls_cert_pem: str | None = None, tls_key_pem: str | None = None
+                           ) -> bool:
+        """New credentials from ``kvstore rotate-credentials`` (kvstore.cluster.rotation):
+        the server accepts both tokens from now on, this node's own calls (replication, the
+        index service) present ``client_auth_token``. A new certificate is kept for the next
+        start of the server (TLS contexts are not swapped live). Returns whether the running
+        server took the tokens (False: it cannot, and keeps its old ones until restarted)."""
+        import dataclasses
+
+        self.config.server = dataclasses.replace(
+            self.config.server, auth_token=auth_token, previous_auth_token=previous_auth_token,
+            **({"tls_cert_pem": tls_cert_pem, "tls_key_pem": tls_key_pem}
+               if tls_cert_pem and tls_key_pem else {}))
+        if client_auth_token:
+            self.config.client = dataclasses.replace(self.config.client,
+                                                     auth_token=client_auth_token)
+            old_fast = self._index_fast
+            self._index_fast = FastPath(lambda: self._call("index_address"), self.config.client)
+            old_fast.close()
+        setter = getattr(self.server, "set_auth_tokens", None)
+        if setter is None:
+            log.warning("store node %s cannot reload its tokens live; restart it to use the "
+                        "rotated ones", self.node_id[:12])
+            return False
+        setter(auth_token, previous_auth_token)
+        return True
+
     def heartbeat_now(self) -> int:
         """One heartbeat right away (tests and operators); returns the coordinator epoch."""
         self._heartbeat()
