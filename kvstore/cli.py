@@ -27,7 +27,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvstore import cache_commands, status_command
+from kvstore import cache_commands, credential_commands, status_command
 from kvstore.config import KVStoreConfig, load_config
 from kvstore.errors import (
     ClusterConflict,
@@ -40,7 +40,7 @@ from kvstore.errors import (
 #: Subcommands defined here; for these the worker subcommands (which import torch and
 #: transformers, seconds of start-up) are not loaded.
 OPERATOR_COMMANDS = frozenset({"start", "stop", "status", "ls", "pin", "unpin", "drain",
-                               "invalidate"})
+                               "invalidate", "credentials", "rotate-credentials"})
 
 console = Console()
 
@@ -57,9 +57,25 @@ def config_from_args(args: argparse.Namespace) -> KVStoreConfig:
     overrides: dict[str, dict[str, Any]] = {}
     if getattr(args, "redis", None):
         overrides["index"] = {"backend": "redis", "redis_url": args.redis}
+    if getattr(args, "redis_password_file", None):
+        overrides.setdefault("index", {})["redis_password_file"] = args.redis_password_file
     if getattr(args, "capacity", None):
         overrides["pool"] = {"capacity_bytes": args.capacity}
+    if getattr(args, "insecure", False):
+        overrides["security"] = {"insecure": True}
+    if getattr(args, "secrets_dir", None):
+        overrides.setdefault("security", {})["secrets_dir"] = args.secrets_dir
     return load_config(getattr(args, "config", None), overrides=overrides)
+
+
+def warn_argv_password(url: str | None) -> None:
+    """A password in ``--redis URL`` works, but every user on the host sees it in ``ps``."""
+    from urllib.parse import urlsplit
+
+    if url and urlsplit(url).password:
+        _note("warning: the Redis password in --redis is visible to every local user (ps, "
+              "/proc); pass it with --redis-password-file FILE or KVSTORE_INDEX_REDIS_PASSWORD "
+              "and drop it from the URL (docs/security.md)")
 
 
 def _note(message: str) -> None:
@@ -76,8 +92,9 @@ def cmd_start(args: argparse.Namespace) -> int:
 
     from kvstore.cluster import address, head, lifecycle
 
+    warn_argv_password(args.redis)
     config = config_from_args(args)
-    lifecycle.check_index(config)  # before a Ray head or an actor exists
+    lifecycle.check_index(lifecycle.with_redis_password(config))  # before any head or actor
     resolved = address.resolve(args.address)
     started_head: address.RecordedCluster | None = None
     target = resolved.address
@@ -112,7 +129,23 @@ def cmd_start(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(f"pool capacity per node: {info.capacity_bytes:,} bytes; "
                   f"Ray: {info.ray_address}")
+    _print_security(info)
     return 0
+
+
+def _print_security(info: Any) -> None:
+    if info.security == "secure":
+        made = "made now" if info.secrets_created else "loaded"
+        where = f" (cluster secrets {made}: {info.secrets_dir})" if info.secrets_dir else ""
+        console.print(f"security: authentication, TLS and tenant checks on{where}; clients "
+                      "started on the cluster get the credentials from the coordinator")
+    elif info.security == "insecure":
+        from kvstore.cluster.credentials import INSECURE_WARNING
+
+        _note("WARNING: " + INSECURE_WARNING)
+    else:
+        console.print("security: off (every store node on loopback: the single-machine "
+                      "default)")
 
 
 def _shutdown_ray() -> None:
@@ -152,8 +185,17 @@ def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
 
     p = sub.add_parser("start", help="start the coordinator and a store node per Ray node")
     _common(p)
-    p.add_argument("--redis", metavar="URL", help="use Redis as the index (redis://host:port/db)")
+    p.add_argument("--redis", metavar="URL", help="use Redis as the index (redis://host:port/db "
+                   "or rediss:// for TLS); no password here: see --redis-password-file")
+    p.add_argument("--redis-password-file", metavar="FILE",
+                   help="the Redis password, first line of FILE (or KVSTORE_INDEX_REDIS_PASSWORD)")
     p.add_argument("--capacity", metavar="SIZE", help="pool capacity per node, e.g. 4GiB")
+    p.add_argument("--secrets-dir", metavar="DIR",
+                   help="where the cluster token, data key and CA are kept or made (default: "
+                        "security.secrets_dir, else ~/.ray/kvstore)")
+    p.add_argument("--insecure", action="store_true",
+                   help="run a cluster without authentication, TLS and tenant checks "
+                        "(logged loudly; only for a network you trust completely)")
     p.set_defaults(func=cmd_start)
 
     p = sub.add_parser("stop", help="stop every kvstore actor and free the arenas")
@@ -164,6 +206,7 @@ def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
     # invalidate) live in their own modules; they import nothing heavy until they run.
     status_command.register(sub)
     cache_commands.register(sub)
+    credential_commands.register(sub)
 
     if with_workers:
         try:  # torch-free: the jobs themselves are imported when one runs

@@ -65,6 +65,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     connect(args)
     status = status_json(operations.status())
+    status["security"] = operations.security()
     if args.json:
         print(json.dumps(status, default=str, sort_keys=True))
         return 0
@@ -84,6 +85,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     console.print(f"total: {t['nodes_alive']} alive, {size_text(t['used_bytes'])} of "
                   f"{size_text(t['capacity_bytes'])}, {t['blocks']} blocks, hit rate "
                   f"{t['hit_rate']:.1%}, {t['evictions']} evictions")
+    console.print(security_line(status["security"]))
     _print_workers(console, status.get("workers") or [], wide=args.wide)
     drift = status.get("drift")
     if drift and any(drift.values()):
@@ -94,6 +96,30 @@ def cmd_status(args: argparse.Namespace) -> int:
                              [[str(i.get("key")), str(i.get("touches", i.get("count", 0)))]
                               for i in top]))
     return 0
+
+
+def _on(value: Any) -> str:
+    return "on" if value else "off"
+
+
+def security_line(sec: dict[str, Any]) -> str:
+    """One line: auth, TLS, tenant checks, keyed namespaces; INSECURE loudly (rich markup)."""
+    if not sec:
+        return "security: unknown (no running config)"
+    line = (f"security: auth {_on(sec.get('auth'))}, TLS {_on(sec.get('tls'))}, tenant "
+            f"checks {_on(sec.get('tenant_enforcement'))}, keyed namespaces "
+            f"{_on(sec.get('keyed_namespaces'))}")
+    if sec.get("rotation_in_progress"):
+        line += "; rotation in progress (the previous token is still accepted: --finish)"
+    if sec.get("cert_days_left") is not None:
+        line += f"; certificates expire in {sec['cert_days_left']:.0f} days"
+    if sec.get("insecure"):
+        return ("[bold red]WARNING: INSECURE (--insecure): no authentication, no TLS, no "
+                "tenant checks; anyone reaching a node can read, plant and delete KV[/]\n"
+                + line)
+    if not sec.get("auth"):
+        line += " (loopback only: the single-machine default)"
+    return line
 
 
 def _print_workers(console: Any, workers: list[dict[str, Any]], *, wide: bool) -> None:

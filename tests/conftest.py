@@ -66,13 +66,18 @@ def private_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
     subprocess a test starts inherits."""
     from kvstore.cluster.address import STATE_DIR_ENV
 
-    before = os.environ.get(STATE_DIR_ENV)
+    # The cluster secrets a secure start makes (kvstore.security.secrets_store) likewise: never
+    # ~/.ray/kvstore.
+    names = (STATE_DIR_ENV, "KVSTORE_SECURITY_SECRETS_DIR")
+    before = {name: os.environ.get(name) for name in names}
     os.environ[STATE_DIR_ENV] = str(tmp_path_factory.mktemp("kvstore-state"))
+    os.environ["KVSTORE_SECURITY_SECRETS_DIR"] = str(tmp_path_factory.mktemp("kvstore-secrets"))
     yield
-    if before is None:
-        os.environ.pop(STATE_DIR_ENV, None)
-    else:
-        os.environ[STATE_DIR_ENV] = before
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

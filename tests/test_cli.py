@@ -301,7 +301,8 @@ def test_every_help_imports_no_worker_stack(command: list[str]) -> None:
 def test_help_lists_every_subcommand_tested_above() -> None:
     assert sorted(_subcommands()) == sorted(["start", "stop", "status", "ls", "pin", "unpin",
                                              "drain", "invalidate", "prefill", "decode",
-                                             "generate", "demo", "bench", "serve"])
+                                             "generate", "demo", "bench", "serve",
+                                             "credentials", "rotate-credentials"])
 
 
 def test_every_flag_has_help_text() -> None:

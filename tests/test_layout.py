@@ -31,7 +31,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cluster", ("kvstore.cluster",)),
     ("workers", ("workers",)),
     ("frontend", ("frontend",)),
-    ("cli", ("kvstore.cli", "kvstore.cache_commands", "kvstore.status_command")),
+    ("cli", ("kvstore.cli", "kvstore.cache_commands", "kvstore.status_command",
+             "kvstore.credential_commands")),
 ]
 
 

@@ -9,7 +9,8 @@ the arena files of this cluster's nodes.
 A ``start`` is all or nothing: the Redis index is checked before any actor exists, a store
 already running with other settings is refused (same settings: nothing changes), and a start
 that fails part-way stops whatever it started, so no watcher is left re-creating a
-crash-looping store node. Which Ray cluster is used is ``kvstore.cluster.address``'s decision.
+crash-looping store node. Which Ray cluster is used is ``kvstore.cluster.address``'s decision;
+what security it runs with (token, TLS, data key) is ``kvstore.cluster.credentials``'s.
 """
 
 from __future__ import annotations
@@ -35,6 +36,17 @@ from kvstore.cluster.address import (
     auth_mode_for_private_ray,
     resolve,
 )
+from kvstore.cluster.credentials import (
+    NodeInfo,
+    SecurityPlan,
+    alive_nodes,
+    client_config,
+    plan_security,
+    ray_is_private,
+    secured_config,
+    with_certificate,
+    with_redis_password,
+)
 from kvstore.cluster.names import (
     COORDINATOR_NAME,
     RAY_NAMESPACE,
@@ -43,6 +55,7 @@ from kvstore.cluster.names import (
     coordinator_handle,
     store_actor_name,
 )
+from kvstore.cluster.rotation import apply_overlay, clear_overlay
 from kvstore.config import KVStoreConfig
 from kvstore.errors import ClusterConflict, ClusterUnavailable
 
@@ -62,6 +75,9 @@ class ClusterInfo:
     capacity_bytes: int  # per node, as the running store has it (not as a re-start asked)
     nodes: dict[str, NodeAddress] = field(default_factory=dict)
     already_running: bool = False  # start found it running with these settings
+    security: str = "loopback"  # secure | insecure | loopback (kvstore.cluster.credentials)
+    secrets_dir: str | None = None  # where the cluster's secrets are kept (secure only)
+    secrets_created: bool = False  # this start made them
 
 
 def ensure_ray(address: str | Resolved | None = None, *, start_local: bool = True) -> None:
@@ -106,19 +122,23 @@ def _pinned(node_id: str, *, soft: bool = False) -> NodeAffinitySchedulingStrate
     return NodeAffinitySchedulingStrategy(node_id=node_id, soft=soft)
 
 
-def start_coordinator(config: KVStoreConfig) -> Any:
+def start_coordinator(config: KVStoreConfig, head_node_id: str | None = None) -> Any:
     """Start (or find) the named, detached coordinator actor.
 
     Ray restarts it when it dies (``max_restarts=-1``) and replays callers' calls across the
     restart (``max_task_retries=-1``); the restart bumps the epoch, and store nodes then
-    re-announce what they hold.
+    re-announce what they hold. With TLS it is kept on the head node where it can (its
+    certificate names the nodes alive at start; elsewhere readers use the actor instead).
     """
     from kvstore.coordinator.actor import Coordinator
 
+    placement: dict[str, Any] = {}
+    if head_node_id is not None:
+        placement["scheduling_strategy"] = _pinned(head_node_id, soft=True)
     return ray.remote(Coordinator).options(
         name=COORDINATOR_NAME, namespace=RAY_NAMESPACE, lifetime="detached",
         get_if_exists=True, max_restarts=-1, max_task_retries=-1, num_cpus=0,
-        max_concurrency=64,
+        max_concurrency=64, **placement,
     ).remote(config)
 
 
@@ -137,12 +157,24 @@ def start_store_node(config: KVStoreConfig, node_id: str) -> Any:
     ).remote(config)
 
 
+def node_config(config: KVStoreConfig, plan: SecurityPlan | None, node: NodeInfo
+                ) -> KVStoreConfig:
+    """A store node's own config: ``config`` with a certificate for ``node`` when the plan
+    issues certificates (each node gets its own, as PEM text: nothing to copy onto hosts)."""
+    return config if plan is None else with_certificate(config, plan, [node])
+
+
 @ray.remote(num_cpus=0)
 class Watcher:
-    """Gives every Ray node a store node, including nodes that join (or whose store died) later."""
+    """Gives every Ray node a store node, including nodes that join (or whose store died) later.
 
-    def __init__(self, config: KVStoreConfig) -> None:
+    It holds the cluster's CA (when kvstore issues the certificates) to give a joining node its
+    own certificate; ``kvstore rotate-credentials`` hands it the new token (``update``).
+    """
+
+    def __init__(self, config: KVStoreConfig, plan: SecurityPlan | None = None) -> None:
         self.config = config
+        self.plan = plan
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvstore-watcher", daemon=True)
         self._thread.start()
@@ -155,13 +187,22 @@ class Watcher:
     def reconcile(self) -> list[str]:
         """Start a store node on each alive Ray node lacking one; returns the nodes started."""
         started = []
-        for node_id in _alive_node_ids():
+        config = None
+        for node in alive_nodes():
             try:
-                ray.get_actor(store_actor_name(node_id), namespace=RAY_NAMESPACE)
+                ray.get_actor(store_actor_name(node.node_id), namespace=RAY_NAMESPACE)
             except ValueError:
-                start_store_node(self.config, node_id)
-                started.append(node_id)
+                config = config or apply_overlay(self.config)
+                start_store_node(node_config(config, self.plan, node), node.node_id)
+                started.append(node.node_id)
         return started
+
+    def set_tokens(self, token: str, previous: str | None) -> None:
+        """New tokens (``kvstore rotate-credentials``): nodes started from now on get them.
+        A watcher Ray restarts with its first arguments reads them from the overlay."""
+        self.config = apply_overlay(self.config)
+        if self.plan is not None:
+            self.plan = dataclasses.replace(self.plan, token=token, previous_token=previous)
 
     def stop(self) -> None:
         self._stop.set()
@@ -169,6 +210,10 @@ class Watcher:
 
 #: The sections a running store was built from; client and worker settings are per caller.
 STORE_SECTIONS = ("pool", "server", "index", "coordinator")
+#: Settings a start fills in itself (secure by default): a re-start that leaves them unset
+#: asks for "whatever runs", never for "none"; node certificates differ per node anyway.
+_GENERATED = {"server.auth_token", "server.previous_auth_token", "server.tls_cert_pem",
+              "server.tls_key_pem"}
 
 
 def config_differences(running: KVStoreConfig, requested: KVStoreConfig) -> list[str]:
@@ -178,6 +223,8 @@ def config_differences(running: KVStoreConfig, requested: KVStoreConfig) -> list
         have, want = getattr(running, section), getattr(requested, section)
         for f in dataclasses.fields(have):
             a, b = getattr(have, f.name), getattr(want, f.name)
+            if f"{section}.{f.name}" in _GENERATED and (b is None or f.name.endswith("_pem")):
+                continue
             if a != b:
                 out.append(f"{section}.{f.name}: running {_shown(f.name, a)}, "
                            f"asked {_shown(f.name, b)}")
@@ -187,7 +234,7 @@ def config_differences(running: KVStoreConfig, requested: KVStoreConfig) -> list
 def _shown(name: str, value: Any) -> str:
     if value is None:
         return "none"
-    if "token" in name or "password" in name:
+    if "token" in name or "password" in name or name.endswith("_pem"):
         return "***"
     if name == "redis_url":
         from kvstore.index.redis import redact_url
@@ -212,7 +259,7 @@ def running_config() -> KVStoreConfig | None:
     except ValueError:
         return None
     config: Any = ray.get(handle.config.remote(), timeout=START_TIMEOUT_S)
-    return cast(KVStoreConfig, config)
+    return apply_overlay(cast(KVStoreConfig, config))
 
 
 def start(config: KVStoreConfig | None = None, *, address: str | Resolved | None = None,
@@ -220,9 +267,12 @@ def start(config: KVStoreConfig | None = None, *, address: str | Resolved | None
     """Start the coordinator, a store node per Ray node and the watcher; all or nothing.
 
     Against a running store with the same settings this changes nothing and reports it; with
-    other settings it raises ``ClusterConflict`` naming each difference.
+    other settings it raises ``ClusterConflict`` naming each difference. Security is decided
+    by ``kvstore.cluster.credentials.plan_security``: on a cluster (store nodes off loopback)
+    it is on, with secrets loaded from or made in the secrets directory, unless
+    ``security.insecure`` says otherwise.
     """
-    config = config or KVStoreConfig()
+    config = with_redis_password(config or KVStoreConfig())
     check_index(config)
     ensure_ray(address, start_local=start_local)
     try:
@@ -237,36 +287,73 @@ def start(config: KVStoreConfig | None = None, *, address: str | Resolved | None
                 "kvstore already runs on this Ray cluster with other settings ("
                 + "; ".join(differences) + "): run `kvstore stop` first to change them, or "
                 "start with the settings it runs with")
-        info = _bring_up(running)
+        info = _already_running(running)
         info.already_running = True
         return info
+    nodes = alive_nodes()
+    plan = plan_security(config, nodes, private=ray_is_private())
+    base = secured_config(config, plan)
     try:
-        return _bring_up(config)
+        info = _bring_up(base, plan, nodes)
     except BaseException:
         stop(config)  # nothing ran before: undo all of it, the watcher first
         raise
+    info.security, info.secrets_dir, info.secrets_created = (
+        plan.mode, plan.secrets_dir, plan.created)
+    return info
 
 
-def _bring_up(config: KVStoreConfig) -> ClusterInfo:
-    coordinator = start_coordinator(config)
+def _head_node(nodes: list[NodeInfo]) -> NodeInfo | None:
+    return next((n for n in nodes if n.is_head), None)
+
+
+def _bring_up(config: KVStoreConfig, plan: SecurityPlan, nodes: list[NodeInfo]
+              ) -> ClusterInfo:
+    head = _head_node(nodes) if plan.ca is not None else None
+    # The coordinator's index service may land on any node alive now: its certificate names
+    # them all (it prefers the head).
+    coordinator = start_coordinator(with_certificate(config, plan, nodes),
+                                    head.node_id if head is not None else None)
     # The coordinator first: its own error (say, Redis refused it) is the one worth reporting,
     # not the store nodes' failure to register with it.
-    epoch = ray.get(coordinator.epoch.remote(), timeout=START_TIMEOUT_S)
-    handles = {node_id: start_store_node(config, node_id) for node_id in _alive_node_ids()}
+    ray.get(coordinator.epoch.remote(), timeout=START_TIMEOUT_S)
+    handles = {n.node_id: start_store_node(node_config(config, plan, n), n.node_id)
+               for n in nodes}
     Watcher.options(  # type: ignore[attr-defined]
         name=WATCHER_NAME, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True,
         max_restarts=-1,
-    ).remote(config)
+    ).remote(config, plan)
+    return _wait_up(coordinator, handles, config)
+
+
+def _wait_up(coordinator: Any, handles: dict[str, Any], config: KVStoreConfig) -> ClusterInfo:
     # Each store node registers in its constructor; a ping returns once it has.
     ray.get([h.ping.remote() for h in handles.values()], timeout=START_TIMEOUT_S)
     directory = _wait_directory(coordinator, set(handles), START_TIMEOUT_S)
     return ClusterInfo(
         ray_address=ray.get_runtime_context().gcs_address,
-        epoch=int(epoch),
+        epoch=int(ray.get(coordinator.epoch.remote(), timeout=START_TIMEOUT_S)),
         index_backend=config.index.backend,
         capacity_bytes=config.pool.capacity_bytes,
         nodes=directory,
     )
+
+
+def _already_running(running: KVStoreConfig) -> ClusterInfo:
+    """What runs: its store nodes (the watcher gives nodes without one theirs, with the
+    certificate only it can issue) and its security as the running config says."""
+    coordinator = coordinator_handle()
+    handles = {}
+    for node_id in _alive_node_ids():
+        try:
+            handles[node_id] = ray.get_actor(store_actor_name(node_id), namespace=RAY_NAMESPACE)
+        except ValueError:
+            continue
+    info = _wait_up(coordinator, handles, running)
+    info.security = ("insecure" if running.security.insecure else
+                     "secure" if running.server.auth_token else "loopback")
+    info.secrets_dir = running.security.secrets_dir
+    return info
 
 
 def _wait_directory(coordinator: Any, node_ids: set[str], timeout_s: float
@@ -279,14 +366,27 @@ def _wait_directory(coordinator: Any, node_ids: set[str], timeout_s: float
         time.sleep(0.1)
 
 
+def cluster_config(config: KVStoreConfig | None = None, *, address: str | None = None
+                   ) -> KVStoreConfig:
+    """``config`` completed with what a client of the running cluster needs and did not set
+    itself: the cluster token, the CA and the data key (``credentials.client_config``); these
+    come from the coordinator, over Ray, never from argv or files on the client's host."""
+    config = config or KVStoreConfig()
+    ensure_ray(address, start_local=False)
+    try:
+        running = running_config()
+    except ray.exceptions.RayActorError:
+        running = None
+    return client_config(config, running)
+
+
 def connect(config: KVStoreConfig | None = None, *, address: str | None = None) -> Any:
     """A ClusterStore for this process, discovered through the coordinator."""
     from kvstore.cluster_store import ClusterStore
     from kvstore.coordinator.index_proxy import CoordinatorIndex
     from kvstore.index.factory import make_index
 
-    config = config or KVStoreConfig()
-    ensure_ray(address, start_local=False)
+    config = cluster_config(config, address=address)
     coordinator = coordinator_handle()
     # Same node means same Ray node (not same /dev/shm): that is what lets a reader map a
     # holder's arena instead of fetching over gRPC.
@@ -336,6 +436,7 @@ def stop(config: KVStoreConfig | None = None, *, address: str | Resolved | None 
         ray.kill(handle, no_restart=True)
         num_killed += 1
     num_killed += int(_kill(COORDINATOR_NAME))
+    clear_overlay()
     # An actor killed mid-flight cannot unlink its arena: sweep every node's shm dir for the
     # arenas of this cluster's nodes (dead ones too), never another cluster's on the machine.
     patterns = [arena_glob(config.pool.shm_dir, n) for n in {n["NodeID"] for n in ray.nodes()}]

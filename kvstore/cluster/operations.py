@@ -26,6 +26,16 @@ def status() -> dict[str, Any]:
     return ray.get(coordinator_handle().status.remote())
 
 
+def security() -> dict[str, Any]:
+    """Whether auth, TLS, tenant checks and keyed namespaces are on, as the running config
+    says (``credentials.summary``: on/off and dates, never a secret)."""
+    from kvstore.cluster.credentials import summary
+    from kvstore.cluster.lifecycle import running_config
+
+    running = running_config()
+    return summary(running) if running is not None else {}
+
+
 def pin(keys: Sequence[bytes], *, hard: bool = True, ttl_s: float | None = None,
         ahead: bool = False) -> tuple[int, int]:
     """Pin blocks (hard: never evicted; soft: evicted last, after ``ttl_s``).

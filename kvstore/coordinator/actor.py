@@ -66,6 +66,25 @@ class Coordinator:
         """The settings this coordinator was started with (a second `start` compares them)."""
         return self._core.config
 
+    def reload_credentials(self, auth_token: str | None, previous_auth_token: str | None,
+                           client_auth_token: str | None) -> bool:
+        """``kvstore rotate-credentials``: the config clients fetch carries the new token, and
+        the index service accepts both tokens (when it can swap them live; returns whether)."""
+        import dataclasses
+
+        cfg = self._core.config
+        self._core.config = dataclasses.replace(
+            cfg, server=dataclasses.replace(cfg.server, auth_token=auth_token,
+                                            previous_auth_token=previous_auth_token),
+            client=dataclasses.replace(cfg.client, auth_token=client_auth_token))
+        if self._index_server is None:
+            return True
+        setter = getattr(self._index_server, "set_auth_tokens", None)
+        if setter is None:
+            return False
+        setter(auth_token, previous_auth_token)
+        return True
+
     def register_node(self, node_id: str, address: NodeAddress, capacity_bytes: int,
                       entries: list[IndexEntry]) -> int:
         """A node announces itself and everything it holds; returns the epoch."""

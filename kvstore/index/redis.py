@@ -46,7 +46,10 @@ class RedisIndex:
     """The index in one Redis database, under ``key_prefix`` (several clusters may share one)."""
 
     def __init__(self, url: str, *, key_prefix: str = "kvstore:",
-                 ssl_ca_certs: str | None = None, timeout_s: float = 10.0) -> None:
+                 ssl_ca_certs: str | None = None, timeout_s: float = 10.0,
+                 password: str | None = None) -> None:
+        """``password`` (kept out of the URL, so out of argv and logs) wins over one in
+        ``url``; ``ssl_ca_certs`` verifies a ``rediss://`` server against a private CA."""
         self.url = redact_url(url)
         self._prefix = key_prefix.encode()
         self._holder_strings = self._prefix + b"hs"
@@ -56,6 +59,8 @@ class RedisIndex:
             # A few quick retries ride over a Redis restart; the default backoff waits seconds.
             "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
         }
+        if password:
+            kwargs["password"] = password
         if ssl_ca_certs is not None:
             if not url.startswith("rediss://"):
                 raise ConfigError(f"a CA file ({ssl_ca_certs}) was given for {self.url}, which "
@@ -83,10 +88,12 @@ class RedisIndex:
         so ask directly: a password-less connection that may run a command proves it has none.
         """
         parts = urlsplit(url)
-        if parts.password is None or parts.username not in (None, "", "default"):
+        if parts.password is None and not kwargs.get("password"):
+            return
+        if parts.username not in (None, "", "default"):
             return  # an ACL user name: other users may have passwords even if default has none
         bare = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
-        probe = redis.Redis.from_url(bare, **{**kwargs, "retry": None})
+        probe = redis.Redis.from_url(bare, **{**kwargs, "retry": None, "password": None})
         try:
             probe.ping()
         except redis.RedisError:
@@ -95,7 +102,8 @@ class RedisIndex:
             probe.close()
         raise IndexAuthError(
             f"Redis index at {self.url}: a password was given but this Redis has none "
-            "configured (it accepts any); drop the password from the URL, or set requirepass")
+            "configured (it accepts any); drop the password (URL, index.redis_password_file, "
+            "KVSTORE_INDEX_REDIS_PASSWORD), or set requirepass")
 
     def publish(self, entries: Sequence[IndexEntry]) -> None:
         """Add holders; visible to every reader when it returns."""

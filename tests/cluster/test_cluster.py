@@ -253,6 +253,7 @@ def test_full_pool_evicts_and_retries_or_refuses_when_all_pinned(
         "pool": {"capacity_bytes": 31 * BLOCK + BLOCK // 2},  # 31 blocks fit
         "coordinator": {"heartbeat_interval_s": 0.2, "node_timeout_s": 2.0,
                         "high_watermark": 1.0, "low_watermark": 0.5, "lease_ttl_s": 2.0},
+        "security": {"insecure": True},  # as make_config: the data path, plain
     })
     node = ray_nodes[1]
     lifecycle.stop(kv)

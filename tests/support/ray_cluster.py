@@ -27,12 +27,16 @@ BLOCK = block_nbytes(NS)  # 33088 bytes: ~250 blocks fill an 8 MiB pool
 CAPACITY = 8 << 20
 
 
-def make_config(**index: str) -> KVStoreConfig:
+def make_config(*, secure: bool = False, **index: str) -> KVStoreConfig:
+    """Small pools and fast heartbeats. The data-path tests run the cluster plain on purpose
+    (``security.insecure``: these Ray nodes bind a network address, where a start is secure by
+    default); ``secure=True`` leaves the default on (tests/cluster/test_secure_start.py)."""
     return load_config(env={}, overrides={
         "pool": {"capacity_bytes": CAPACITY},
         "coordinator": {"heartbeat_interval_s": 0.2, "node_timeout_s": 2.0,
                         "high_watermark": 0.9, "low_watermark": 0.6, "lease_ttl_s": 2.0},
         "index": dict(index),
+        "security": {} if secure else {"insecure": True},
     })
 
 
