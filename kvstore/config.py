@@ -176,6 +176,9 @@ class IndexConfig:
     redis_url: str | None = None
     key_prefix: str = "kvstore:"
     redis_ca_file: str | None = None  # CA bundle for rediss:// (TLS) with a private CA
+    # The same as PEM text: `kvstore start` reads the file (or, on a secure cluster with a
+    # rediss:// URL and no CA named, takes the cluster CA) so store nodes need no file.
+    redis_ca_pem: str | None = None
     # The Redis password, kept out of redis_url (and so out of argv and `ps`): a file holding
     # it, or KVSTORE_INDEX_REDIS_PASSWORD. A password inside redis_url still works.
     redis_password_file: str | None = None

@@ -181,3 +181,51 @@ def test_status_security_line() -> None:
     insecure = security_line({"auth": False, "tls": False, "insecure": True})
     assert "WARNING: INSECURE" in insecure and "auth off, TLS off" in insecure
     assert "loopback" in security_line({"auth": False, "tls": False})
+
+
+@pytest.mark.redis
+def test_redis_tls_with_a_certificate_from_the_cluster_ca(
+        secrets_dir: Path, tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """`redis-conf --tls-host` turns TLS on with a certificate from the cluster CA; a rediss://
+    index trusts the cluster CA from the secrets directory with nothing else named, and a
+    client that trusts only the system CAs is refused."""
+    import shutil
+    import time
+
+    from kvstore.cluster.credentials import with_redis_password
+    from kvstore.errors import IndexBackendError
+    from kvstore.index.factory import make_index
+    from tests.support.redis_server import free_port
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    conf = tmp_path / "redis.conf"
+    port = free_port()
+    code, _, err = run(capsys, "credentials", "redis-conf", "--secrets-dir", str(secrets_dir),
+                       "--out", str(conf), "--tls-host", "127.0.0.1", "--port", str(port))
+    assert code == 0, err
+    proc = subprocess.Popen(["redis-server", str(conf), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        overrides = {"index": {"backend": "redis", "redis_url": f"rediss://127.0.0.1:{port}/0",
+                               "redis_password_file": str(secrets_dir / "redis_password")},
+                     "security": {"secrets_dir": str(secrets_dir)}}
+        config = with_redis_password(load_config(env={}, overrides=overrides))
+        assert config.index.redis_ca_pem and not config.index.redis_password_file
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                make_index(config.index).close()
+                break
+            except IndexBackendError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        untrusted = load_config(env={}, overrides={**overrides, "security": {
+            "secrets_dir": str(tmp_path / "none")}})
+        with pytest.raises(IndexBackendError):
+            make_index(with_redis_password(untrusted).index)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -194,15 +194,35 @@ def summary(config: KVStoreConfig) -> dict[str, Any]:
 
 
 def with_redis_password(config: KVStoreConfig) -> KVStoreConfig:
-    """``config`` with ``index.redis_password_file`` read into ``index.redis_password``: the
-    file exists where `kvstore start` runs, while every store node opens the index itself."""
+    """``config`` with ``index.redis_password_file`` read into ``index.redis_password`` and
+    ``redis_ca_file`` into ``redis_ca_pem`` (the files exist where `kvstore start` runs, while
+    every store node opens the index itself); a ``rediss://`` URL with no CA named trusts the
+    cluster CA from the secrets directory."""
     from kvstore.index.factory import redis_password
 
     index = config.index
-    if index.backend != "redis" or not index.redis_password_file:
+    if index.backend != "redis":
         return config
-    return dataclasses.replace(config, index=dataclasses.replace(
-        index, redis_password=redis_password(index), redis_password_file=None))
+    if index.redis_password_file:
+        index = dataclasses.replace(index, redis_password=redis_password(index),
+                                    redis_password_file=None)
+    if index.redis_ca_file:  # likewise the CA of a rediss:// Redis
+        try:
+            with open(index.redis_ca_file) as f:
+                ca = f.read()
+        except OSError as exc:
+            from kvstore.errors import ConfigError
+
+            raise ConfigError(f"cannot read index.redis_ca_file {index.redis_ca_file}: "
+                              f"{exc.strerror or exc}") from None
+        index = dataclasses.replace(index, redis_ca_pem=ca, redis_ca_file=None)
+    if ((index.redis_url or "").startswith("rediss://") and not index.redis_ca_pem
+            and not config.security.insecure):
+        # Redis's certificate from `kvstore credentials redis-conf --tls-host`: the cluster CA.
+        store = SecretsStore.for_config(config.security)
+        if store.exists():
+            index = dataclasses.replace(index, redis_ca_pem=store.load().ca.cert_pem)
+    return dataclasses.replace(config, index=index)
 
 
 def client_config(config: KVStoreConfig, running: KVStoreConfig | None) -> KVStoreConfig:

@@ -38,5 +38,6 @@ def make_index(config: IndexConfig) -> Index:
 
         assert config.redis_url is not None  # IndexConfig.__post_init__ guarantees it
         return RedisIndex(config.redis_url, key_prefix=config.key_prefix,
-                          ssl_ca_certs=config.redis_ca_file, password=redis_password(config))
+                          ssl_ca_certs=config.redis_ca_file, ssl_ca_data=config.redis_ca_pem,
+                          password=redis_password(config))
     return InMemoryIndex()

@@ -47,7 +47,7 @@ class RedisIndex:
 
     def __init__(self, url: str, *, key_prefix: str = "kvstore:",
                  ssl_ca_certs: str | None = None, timeout_s: float = 10.0,
-                 password: str | None = None) -> None:
+                 password: str | None = None, ssl_ca_data: str | None = None) -> None:
         """``password`` (kept out of the URL, so out of argv and logs) wins over one in
         ``url``; ``ssl_ca_certs`` verifies a ``rediss://`` server against a private CA."""
         self.url = redact_url(url)
@@ -61,11 +61,15 @@ class RedisIndex:
         }
         if password:
             kwargs["password"] = password
-        if ssl_ca_certs is not None:
+        if ssl_ca_certs is not None or ssl_ca_data is not None:
             if not url.startswith("rediss://"):
-                raise ConfigError(f"a CA file ({ssl_ca_certs}) was given for {self.url}, which "
-                                  "is not TLS; use a rediss:// URL or drop index.redis_ca_file")
-            kwargs["ssl_ca_certs"] = ssl_ca_certs
+                raise ConfigError(f"a CA ({ssl_ca_certs or 'PEM'}) was given for {self.url}, "
+                                  "which is not TLS; use a rediss:// URL or drop "
+                                  "index.redis_ca_file / redis_ca_pem")
+            if ssl_ca_certs is not None:
+                kwargs["ssl_ca_certs"] = ssl_ca_certs
+            else:
+                kwargs["ssl_ca_data"] = ssl_ca_data
         with self._errors():
             try:
                 self._r = redis.Redis.from_url(url, **kwargs)
