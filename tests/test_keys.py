@@ -18,7 +18,7 @@ import torch
 
 from kvstore.errors import ConfigError
 from kvstore.keys import BlockHasher, Namespace, dtype_name, tokens_to_bytes
-from kvstore.security.data_keys import mac_key, parse_data_key, root_key, tenant_key
+from kvstore.security.data_keys import mac_key, parse_data_key, root_key, tenant_key, tenant_of
 
 # Pinned literals. Changing the namespace encoding or the key chain changes these, and every
 # published block would silently stop matching: such a change requires bumping
@@ -284,3 +284,16 @@ def test_data_key_hex_parsing():
     for bad in ("zz" * 16, "00" * 15, ""):
         with pytest.raises(ConfigError, match="security.data_key"):
             parse_data_key(bad)
+
+
+def test_a_salt_with_a_suffix_is_its_tenants_namespace():
+    """The engine's approximate-reuse namespace (salt + NUL + suffix) belongs to the same
+    tenant: one tenant key builds it, and its root is still its own."""
+    assert tenant_of("tenant-a\x00reuse=block") == "tenant-a" == tenant_of("tenant-a")
+    assert tenant_key(DATA_KEY, "tenant-a\x00reuse=block") == tenant_key(DATA_KEY, "tenant-a")
+    salt = "tenant-a\x00reuse=block"
+    by_data = make_namespace(cache_salt=salt, data_key=DATA_KEY)
+    by_tenant = make_namespace(cache_salt=salt, tenant_key=tenant_key(DATA_KEY, "tenant-a"))
+    assert by_data == by_tenant
+    assert by_data.root != make_namespace(cache_salt="tenant-a", data_key=DATA_KEY).root
+    assert by_data.root == ref_keyed_root(DATA_KEY, "tenant-a", by_data.encode())

@@ -39,6 +39,7 @@ from workers.model import CausalLM
 from workers.paged_kv import gather_blocks, scatter_blocks
 from workers.reuse import ReusePolicy, choose_policy
 from workers.sampling import SamplingParams, pick_token
+from workers.tenants import TenantHashers
 
 
 @dataclass(slots=True)
@@ -122,25 +123,26 @@ class Engine:
     ``data_key`` is the cluster's data secret (``security.data_key``, bytes): every tenant's
     namespace is then keyed, so its keys cannot be precomputed from outside and a block is
     used only if its MAC shows a holder of that tenant's key wrote it (planted KV is a miss,
-    recomputed). None (the embedded default): public roots and xxh3 checksums.
+    recomputed). ``tenant_key`` instead (a tenant's own client, ``kvstore.security.data_keys.
+    tenant_key``): the same keyed namespaces, for ``worker.cache_salt``'s tenant only. Neither
+    (the embedded default): public roots and xxh3 checksums.
     """
 
     def __init__(self, model: CausalLM, store: KVStore | None, config: WorkerConfig, *,
-                 data_key: bytes | None = None) -> None:
+                 data_key: bytes | None = None, tenant_key: bytes | None = None) -> None:
         self.model = model
         self.store = store
         self.config = config
-        self.data_key = data_key
         self.block_size = config.block_size
         self.chunk_tokens = config.prefill_chunk_tokens
         self.policy: ReusePolicy = choose_policy(config.reuse, model, config.block_size,
                                                  config.prefill_chunk_tokens)
         # KV of an approximate policy must never reach a worker that promises bitwise reuse.
-        salt = config.cache_salt if self.policy.exact else f"{config.cache_salt}\x00reuse=block"
-        self.namespace = model.namespace(config.block_size, salt, data_key=data_key)
-        self.hasher = BlockHasher(self.namespace)
-        self._exact_suffix = "" if self.policy.exact else "\x00reuse=block"
-        self._hashers: dict[str, BlockHasher] = {config.cache_salt: self.hasher}
+        self._tenants = TenantHashers(model, config.block_size, config.cache_salt,
+                                      "" if self.policy.exact else "\x00reuse=block",
+                                      data_key=data_key, tenant_key=tenant_key)
+        self.hasher = self._tenants.default
+        self.namespace = self.hasher.namespace
         metrics.observe_reuse_policy(self.policy.as_dict())
         self._lock = threading.Lock()
         # One model forward at a time: a replica serving several requests (a threaded actor)
@@ -153,19 +155,10 @@ class Engine:
         """The block hasher of a tenant: ``None`` is the configured ``worker.cache_salt``.
 
         A per-request salt (the HTTP API's ``cache_salt``) selects another namespace of the same
-        model, so two tenants' prompts never share a block (docs/design.md §1).
+        model, so two tenants' prompts never share a block (docs/design.md §1). An engine
+        holding one tenant's key only refuses another tenant's salt (PermissionDenied).
         """
-        salt = self.config.cache_salt if cache_salt is None else cache_salt
-        with self._lock:
-            hasher = self._hashers.get(salt)
-            if hasher is None:
-                if len(self._hashers) >= 4096:  # a bound on tenants remembered, not on tenants
-                    self._hashers.clear()
-                    self._hashers[self.config.cache_salt] = self.hasher
-                hasher = BlockHasher(self.model.namespace(
-                    self.block_size, salt + self._exact_suffix, data_key=self.data_key))
-                self._hashers[salt] = hasher
-            return hasher
+        return self._tenants.get(cache_salt)
 
     # -- request lifecycle ------------------------------------------------------------------
 

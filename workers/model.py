@@ -148,12 +148,14 @@ class CausalLM:
                     raise refuse(f"layer {i} {label} is {list(got.shape)}")
 
     def namespace(self, block_size: int, cache_salt: str = "", *,
-                  data_key: bytes | None = None) -> Namespace:
+                  data_key: bytes | None = None, tenant_key: bytes | None = None
+                  ) -> Namespace:
         """The namespace of this model's KV blocks for a block size and tenant salt; with the
-        cluster's ``data_key`` its root and block MACs are keyed (docs/design.md §3.1)."""
+        cluster's ``data_key`` or the tenant's own ``tenant_key`` its root and block MACs are
+        keyed (docs/design.md §3.1)."""
         return Namespace(self.fingerprint, self.dtype, block_size, self.shape.num_layers,
                          self.shape.num_kv_heads, self.shape.head_dim, cache_salt,
-                         data_key=data_key)
+                         data_key=data_key, tenant_key=tenant_key)
 
     def new_cache(self) -> DynamicCache:
         """An empty cache."""

@@ -8,7 +8,8 @@ the cluster's data secret (``security.data_key``) both become keyed:
 ::
 
     data_key (cluster secret, >= 16 bytes)
-      -> tenant_key = HMAC-SHA256(data_key, "kvstore tenant key v1" 0x00 cache_salt)
+      -> tenant_key = HMAC-SHA256(data_key, "kvstore tenant key v1" 0x00 tenant)
+                      tenant = cache_salt up to its first NUL (tenant_of)
            -> root_key  = HMAC-SHA256(tenant_key, "kvstore namespace root v1")
            |    root    = HMAC-SHA256(root_key, namespace.encode())
            -> mac_key   = HMAC-SHA256(tenant_key, "kvstore block mac v1")
@@ -115,13 +116,21 @@ def _len(obj: object) -> object:
     return len(obj) if isinstance(obj, (bytes, bytearray, str)) else "n/a"
 
 
+def tenant_of(cache_salt: str) -> str:
+    """The tenant a namespace's salt belongs to: the salt up to its first NUL. The engine keeps
+    approximate-reuse KV apart as ``salt + "\\x00reuse=block"`` (another root, so no block is
+    shared), and that namespace is still the tenant's: its own clients hold one key for both."""
+    return cache_salt.split("\x00", 1)[0]
+
+
 def tenant_key(data_key: bytes, cache_salt: str) -> bytes:
-    """The secret of one tenant (cache salt) under the cluster's data key: what its own clients
-    hold to build its namespaces (``Namespace(..., tenant_key=...)``) and check its blocks."""
+    """The secret of one tenant (``tenant_of(cache_salt)``) under the cluster's data key: what
+    its own clients hold to build its namespaces (``Namespace(..., tenant_key=...)``) and check
+    its blocks."""
     check_data_key(data_key)
     if not isinstance(cache_salt, str):
         raise ConfigError(f"cache_salt must be a str, got {type(cache_salt).__name__}")
-    return _prf(data_key, _TENANT_LABEL + cache_salt.encode("utf-8"))
+    return _prf(data_key, _TENANT_LABEL + tenant_of(cache_salt).encode("utf-8"))
 
 
 def root_key(tenant: bytes) -> bytes:

@@ -12,6 +12,8 @@ same engine's run with the cache bypassed (the ``--no-cache`` path, ``use_cache=
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,7 @@ from kvstore.api import BlockPut, FetchedBlock
 from kvstore.block import BlockHeader, read_header
 from kvstore.config import WorkerConfig
 from kvstore.constants import align_up
+from kvstore.errors import PermissionDenied
 from kvstore.keys import BlockHasher, Namespace
 from kvstore.local import LocalStore
 from kvstore.security.data_keys import block_tag, tenant_key
@@ -154,16 +157,26 @@ def test_forged_blocks_under_the_victims_exact_keys_are_rejected(model, forgery)
     assert dec2.output_token_ids == no_cache(model, tokens)
 
 
-def test_a_tenant_key_client_and_the_cluster_share_blocks(model):
+@pytest.mark.parametrize("reuse", ["exact", "block"])
+def test_a_tenant_key_client_and_the_cluster_share_blocks(model, reuse):
     """A tenant's own client holds only its tenant key; the cluster's workers hold the data
-    key: same namespace, so each reuses the other's blocks (and outputs match no-cache)."""
+    key: same namespaces (the approximate-reuse one too), so each reuses the other's blocks,
+    and outputs match no-cache. Another tenant's salt is refused, never served unkeyed."""
     store = LocalStore()
-    ns = Engine(model, None, config(), data_key=DATA_KEY).namespace
-    as_tenant = Namespace(**ns.to_dict(), tenant_key=tenant_key(DATA_KEY, ns.cache_salt))
-    assert as_tenant == ns and as_tenant.root == ns.root
-    Engine(model, store, config(), data_key=DATA_KEY).generate(
-        prompt(seed=6), sampling=SamplingParams(max_new_tokens=0))
+    cfg = dataclasses.replace(config(), cache_salt="tenant-a", reuse=reuse)
+    cluster = Engine(model, store, cfg, data_key=DATA_KEY)
+    client = Engine(model, store, cfg, tenant_key=tenant_key(DATA_KEY, "tenant-a"))
+    assert client.namespace == cluster.namespace and client.namespace.keyed
+    assert (client.namespace.cache_salt == "tenant-a") == (reuse == "exact")
+    cluster.generate(prompt(seed=6), sampling=SamplingParams(max_new_tokens=0))
     tokens = prompt(seed=7)
-    keys = BlockHasher(as_tenant).block_keys(tokens[:SYSTEM])
-    got = store.batch_get(as_tenant, keys, [tokens[i * BS:(i + 1) * BS] for i in range(4)])
+    keys = BlockHasher(client.namespace).block_keys(tokens[:SYSTEM])
+    got = store.batch_get(client.namespace, keys,
+                          [tokens[i * BS:(i + 1) * BS] for i in range(4)])
     assert all(isinstance(g, FetchedBlock) for g in got)
+    pre, dec = client.generate(tokens, sampling=SAMPLING)
+    assert pre.cached_tokens > 0 and not pre.misses
+    ref = Engine(model, None, cfg).generate(tokens, sampling=SAMPLING, use_cache=False)[1]
+    assert dec.output_token_ids == ref.output_token_ids
+    with pytest.raises(PermissionDenied, match="tenant-a"):
+        client.generate(tokens, sampling=SAMPLING, cache_salt="tenant-b")
