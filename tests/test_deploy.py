@@ -33,7 +33,8 @@ def kvstore_commands(text: str) -> list[list[str]]:
     text = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
     text = re.sub(r"\$\([^)]*\)", "X", text)  # $(cat ~/.kvstore/redis_password) -> X
     found = []
-    for m in re.finditer(r"(?<![\w/.-])kvstore\s+(start|stop|status|generate|prefill|decode)\b"
+    for m in re.finditer(r"(?<![\w/.-])kvstore\s+(start|stop|status|generate|prefill|decode|"
+                         r"credentials|rotate-credentials)\b"
                          r"[^\n;&|\"']*", text):
         found.append(shlex.split(m.group(0).replace("$", ""))[1:])
     return found
@@ -79,12 +80,22 @@ def test_local_cluster_yaml_placeholders_are_capitalised() -> None:
 
 @pytest.mark.parametrize("name", ["cluster.yaml", "cluster-aws.yaml"])
 def test_launcher_starts_token_auth_redis_and_kvstore(name: str) -> None:
-    """Head: Ray on 6379 with token auth, Redis on 6380 with a password, kvstore start on it."""
+    """Head: Ray on 6379 with token auth; kvstore's secrets made once; Redis on 6380 with TLS
+    and a password from a file; kvstore start secure by default. No secret in any argv."""
     config = yaml.safe_load((DEPLOY / name).read_text())
+    setup = "\n".join(config["head_setup_commands"])
+    assert "kvstore credentials init --redis-password" in setup
+    assert re.search(r"kvstore credentials redis-conf --out \S+ --tls-host \S+.* --port 6380",
+                     setup)
     head = "\n".join(config["head_start_ray_commands"])
     assert "RAY_AUTH_MODE=token ray start --head" in head and "--port=6379" in head
-    assert "redis-server --port 6380" in head and "--requirepass" in head
-    assert re.search(r"kvstore start .*--redis=\"redis://:[^@]+@[^:]+:6380/0\"", head)
+    assert "redis-server ~/.ray/kvstore/redis.conf" in head
+    assert re.search(r"kvstore start .*--redis=rediss://.+:6380/0 --redis-password-file "
+                     r"~/.ray/kvstore/redis_password", head)
+    for line in config["head_start_ray_commands"] + config["head_setup_commands"]:
+        assert "--requirepass" not in line and " -a " not in line, line  # argv: visible in ps
+        assert not re.search(r"rediss?://:[^@]*@", line), line
+        assert "--insecure" not in line
     workers = "\n".join(config["worker_start_ray_commands"])
     assert "RAY_AUTH_MODE=token ray start --address=$RAY_HEAD_IP:6379" in workers
     assert config["file_mounts"] == {"~/.ray/auth_token": "~/.ray/auth_token"}
@@ -166,7 +177,7 @@ ALL_FILES = ["cluster.yaml", "cluster-aws.yaml", "kuberay/raycluster.yaml", "kub
 def test_deploy_files_mention_kvstore_commands() -> None:
     """The extractor below really finds the commands (a check that finds nothing checks nothing)."""
     found = {argv[0] for f in ALL_FILES for argv in kvstore_commands((DEPLOY / f).read_text())}
-    assert found == {"start", "generate"}
+    assert found == {"start", "generate", "credentials"}
 
 
 @pytest.mark.parametrize("name", ALL_FILES)

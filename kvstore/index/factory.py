@@ -6,6 +6,8 @@ contract, so adding one touches this file and no other.
 
 from __future__ import annotations
 
+import os
+
 from kvstore.config import IndexConfig
 from kvstore.errors import ConfigError
 from kvstore.index.base import Index
@@ -21,7 +23,7 @@ def redis_password(config: IndexConfig) -> str | None:
     if not config.redis_password_file:
         return None
     try:
-        with open(config.redis_password_file) as f:
+        with open(os.path.expanduser(config.redis_password_file)) as f:
             password = f.readline().strip()
     except OSError as exc:
         raise ConfigError(f"cannot read index.redis_password_file {config.redis_password_file}: "
