@@ -9,8 +9,6 @@ raised. A fetch either returns whole blocks or raises: a node that dies mid-stre
 
 from __future__ import annotations
 
-import contextlib
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -31,6 +29,7 @@ from kvstore.errors import (
 )
 from kvstore.keys import Namespace
 from kvstore.node.bulk import BulkClient
+from kvstore.node.lease_releases import LeaseReleases
 from kvstore.node.pool import BlockLocation
 from kvstore.node.put_wire import BATCH_BYTES, UNARY_PUT_BYTES, encode_put_batch, put_messages
 from kvstore.node.replies import HeldBlock, LeaseInfo, NodeHealth, NodeStats, PutResult
@@ -84,10 +83,9 @@ class StoreNodeClient:
                                 pipeline_depth=cfg.bulk_pipeline_depth) if bulk_address else None
         self._shm: Any = None
         self._shm_lock = threading.Lock()
-        self._releases: queue.SimpleQueue[str | None] = queue.SimpleQueue()
-        self._to_release: list[str] = []  # finished leases not yet sent (see release_nowait)
-        self._releaser: threading.Thread | None = None  # started by the first release_nowait
-        self._release_lock = threading.Lock()
+        # Finished leases, released by the next lease call or soon after (release_nowait).
+        self._releases = LeaseReleases(lambda lease_id: self.release(lease_id),
+                                       lambda: RELEASE_DELAY_S)
 
     @property
     def has_bulk(self) -> bool:
@@ -354,17 +352,14 @@ class StoreNodeClient:
 
         Leases ended with ``release_nowait`` and not sent yet ride along and are released
         first (put back if the call fails: the release thread sends them then)."""
-        with self._release_lock:
-            done, self._to_release = self._to_release, []
+        done = self._releases.take()
         try:
             resp = self._unary(self._stub.Lease, pb.LeaseRequest(
                 keys=list(keys), ttl_s=ttl_s, reader_node_id=self.reader_node_id,
                 release_lease_ids=done,
                 namespace=None if namespace is None else spec_from_namespace(namespace)))
         except BaseException:
-            if done:
-                with self._release_lock:
-                    self._to_release.extend(done)
+            self._releases.put_back(done)
             raise
         return LeaseInfo(resp.lease_id,
                          [BlockLocation(loc.key, loc.offset, loc.nbytes) for loc in resp.locations],
@@ -388,33 +383,7 @@ class StoreNodeClient:
         within ``RELEASE_DELAY_S`` has it sent by one long-lived thread (a gRPC future per
         release measured ~0.5 ms each, a blocking release ~0.7 ms of the reader's time).
         """
-        with self._release_lock:
-            self._to_release.append(lease_id)
-            if self._releaser is None:
-                self._releaser = threading.Thread(target=self._release_loop, daemon=True,
-                                                  name="kvstore-release")
-                self._releaser.start()
-        self._releases.put(lease_id)
-
-    def _release_loop(self) -> None:
-        stop = False
-        while not stop:
-            stop = self._releases.get() is None
-            if not stop:
-                time.sleep(RELEASE_DELAY_S)  # a read in the meantime carries them
-            while True:  # one wake-up per batch, however many releases queued meanwhile
-                try:
-                    stop = self._releases.get_nowait() is None or stop
-                except queue.Empty:
-                    break
-            self._send_releases()
-
-    def _send_releases(self) -> None:
-        with self._release_lock:
-            done, self._to_release = self._to_release, []
-        for lease_id in done:
-            with contextlib.suppress(KVStoreError):  # the lease expires on its own anyway
-                self.release(lease_id)
+        self._releases.add(lease_id)
 
     # -- admin ------------------------------------------------------------------------------
     def exists(self, keys: Sequence[bytes], namespace: Namespace | None = None) -> list[bool]:
@@ -463,11 +432,7 @@ class StoreNodeClient:
 
     def close(self) -> None:
         """Close the channel, idle bulk connections and the shared-memory mapping."""
-        with self._release_lock:
-            releaser, self._releaser = self._releaser, None
-        if releaser is not None:  # let queued releases land rather than leave leases to expire
-            self._releases.put(None)
-            releaser.join(timeout=2.0)
+        self._releases.close()  # let queued releases land rather than leave leases to expire
         self._channel.close()
         if self._bulk is not None:
             self._bulk.close()

@@ -4,7 +4,8 @@ Writes are two-phase (``reserve`` -> copy -> ``commit``), so nobody sees a half-
 payload bytes are copied outside the lock. Reads take a lease; a block deleted or evicted while
 leased leaves the key space at once but keeps its bytes until the last lease ends (or expires,
 so a crashed reader cannot hold memory forever). Eviction policy belongs to the coordinator: the
-pool only reports ``lru_candidates`` and obeys ``evict``.
+pool only reports ``lru_candidates`` and obeys ``evict``. The plain data it hands out and the
+protocol the server needs of a pool are ``kvstore.node.pool_types``.
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
@@ -26,35 +25,10 @@ from kvstore.api import PoolStats
 from kvstore.constants import align_up
 from kvstore.errors import BlockNotFound, KVStoreError, PoolFull
 from kvstore.node.arena import Arena, ExtentAllocator
-
-
-@dataclass(slots=True)
-class BlockLocation:
-    """Where a block lies in the arena file, for same-node readers."""
-
-    key: bytes
-    offset: int
-    nbytes: int
-
-
-@dataclass(slots=True)
-class Lease:
-    """Blocks pinned for a reader until release or ``expires_at``; missing keys are absent."""
-
-    lease_id: int
-    locations: list[BlockLocation]
-    expires_at: float
-
-
-@dataclass(slots=True)
-class Reservation:
-    """Space for one block being written; the key is invisible until ``commit``."""
-
-    reservation_id: int
-    key: bytes
-    offset: int
-    nbytes: int
-    view: memoryview
+from kvstore.node.pool_types import BlockLocation as BlockLocation
+from kvstore.node.pool_types import Lease as Lease
+from kvstore.node.pool_types import Reservation as Reservation
+from kvstore.node.pool_types import ServedPool as ServedPool
 
 
 @dataclass(slots=True, eq=False)
@@ -78,33 +52,6 @@ class _Counters:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
-
-
-class ServedPool(Protocol):
-    """What a store node's server and bulk channel need of a pool.
-
-    ``BlockPool`` is one; the cluster's store node serves a wrapper that asks the coordinator
-    for room when a reserve finds the pool full, which the server need not know about.
-    """
-
-    path: str
-    capacity_bytes: int
-
-    def reserve(self, key: bytes, nbytes: int) -> Reservation: ...
-    def reserve_many(self, keys: Sequence[bytes], nbytes: int) -> list[Reservation | None]: ...
-    def commit(self, reservation: Reservation) -> bool: ...
-    def commit_many(self, reservations: Sequence[Reservation]) -> list[bool]: ...
-    def abort(self, reservation: Reservation) -> None: ...
-    def contains(self, key: bytes) -> bool: ...
-    def nbytes_of(self, key: bytes) -> int | None: ...
-    def read(self, key: bytes) -> AbstractContextManager[memoryview]: ...
-    def lease(self, keys: Sequence[bytes], ttl_s: float) -> Lease: ...
-    def renew(self, lease_id: int, ttl_s: float) -> bool: ...
-    def release(self, lease_id: int) -> None: ...
-    def delete(self, key: bytes) -> bool: ...
-    def evict(self, keys: Sequence[bytes]) -> int: ...
-    def keys(self) -> list[bytes]: ...
-    def stats(self) -> PoolStats: ...
 
 
 class BlockPool:
