@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import struct
+
+import msgpack
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvstore.block import (
+    BlockHeader,
     block_nbytes,
     decode_block,
     encode_block,
@@ -15,7 +21,9 @@ from kvstore.block import (
     payload_view,
     read_header,
     verify_block,
+    verify_block_self,
 )
+from kvstore.block_batch import verify_blocks
 from kvstore.constants import ALIGN
 from kvstore.errors import BlockCorrupted, BlockMismatch, NamespaceMismatch
 from kvstore.keys import BlockHasher, Namespace
@@ -213,3 +221,52 @@ def test_encode_rejects_bad_input_with_a_reason():
         encode_block_into(bytearray(100), ns, key, ns.root, tokens, payload)
     with pytest.raises(ValueError, match="writable"):
         encode_block_into(bytes(block_nbytes(ns)), ns, key, ns.root, tokens, payload)
+
+
+# -- fuzz: the header decoder meets hostile bytes (issue 15 part 4) ---------------------------
+
+_FIELD = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**63), max_value=2**64 - 1),
+                   st.floats(allow_nan=True), st.text(max_size=12), st.binary(max_size=48),
+                   st.lists(st.integers(), max_size=3))
+
+
+def _checked(buf: bytes, ns: Namespace, key: bytes, tokens: list[int]) -> None:
+    """Every verifier either accepts or raises a typed block error, nothing else."""
+    for call in (lambda: verify_block(buf, ns, key, tokens), lambda: read_header(buf),
+                 lambda: verify_block_self(buf, key),
+                 lambda: verify_blocks(np.frombuffer(buf, dtype=np.uint8)[None, :], ns, [key])):
+        try:
+            out = call()
+        except (BlockCorrupted, BlockMismatch):
+            continue
+        if isinstance(out, list) and isinstance(out[0], Exception):
+            assert isinstance(out[0], (BlockCorrupted, BlockMismatch)), out[0]
+
+
+@KEYED
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fuzzed_blocks_only_ever_raise_block_errors(key, data):
+    ns = make_namespace(data_key=key)
+    good, bkey, tokens, _ = make_block(ns)
+    how = data.draw(st.sampled_from(["bytes", "splice", "fields"]))
+    if how == "bytes":
+        buf = data.draw(st.binary(max_size=len(good) + 64))
+    elif how == "splice":
+        buf = bytearray(good)
+        for _ in range(data.draw(st.integers(1, 6))):
+            pos = data.draw(st.integers(0, len(buf) - 1))
+            chunk = data.draw(st.binary(min_size=1, max_size=8))
+            buf[pos:pos + len(chunk)] = chunk
+        buf = bytes(buf[: data.draw(st.integers(0, len(buf)))])
+    else:  # a well-formed msgpack header whose fields are any values
+        fields = [getattr(read_header(good), f) for f in BlockHeader.__slots__]
+        for _ in range(data.draw(st.integers(1, 4))):
+            fields[data.draw(st.integers(0, len(fields) - 1))] = data.draw(_FIELD)
+        if data.draw(st.booleans()):
+            fields = fields[: data.draw(st.integers(0, len(fields)))]
+        header = msgpack.packb(fields)
+        off = payload_offset(ns)
+        buf = struct.pack("<I", len(header)) + header
+        buf = buf + bytes(max(0, off - len(buf))) + good[off:]
+    _checked(bytes(buf), ns, bkey, tokens)
