@@ -234,7 +234,9 @@ class BulkServer:
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ssl is not None:
-                raw.settimeout(header_s)  # Python's timeouts: see set_recv_timeout
+                # Python's timeout (see set_recv_timeout): ssl counts it as one deadline for
+                # the whole handshake, so a hello trickled a byte at a time does not outlive it.
+                raw.settimeout(header_s)
                 conn = self._ssl.wrap_socket(raw, server_side=True)
             else:
                 set_kernel_timeouts(raw, header_s, SEND_TIMEOUT_S)

@@ -441,6 +441,24 @@ def test_tls_from_pem_text_with_tenants_and_a_handshake_deadline(make_node) -> N
     reader.close()  # its idle connection gives its slot back
     s = dial(node.port)  # connects and never says hello
     assert closed(s)
+    trickle = dial(node.port)  # a hello one byte at a time, each within the per-read timeout
+    trickle.sendall(b"\x16\x03\x01\x02\x00")  # a handshake record of 512 bytes follows...
+    stop = threading.Event()
+
+    def drip() -> None:
+        for _ in range(512):
+            if stop.wait(0.05):
+                return
+            try:
+                trickle.send(b"\x01")
+            except OSError:
+                return
+
+    t = threading.Thread(target=drip, daemon=True)
+    t.start()
+    assert closed(trickle)  # ... but the deadline is for the whole handshake
+    stop.set()
+    t.join()
     assert wait_until(lambda: node.server.num_connections == 0)
 
 
