@@ -61,6 +61,8 @@ class BlockMeta:
             meta = self._meta.get(key)
         if meta is not None:
             return meta
+        if not self.pool.contains(key):  # absent: no read (it would count a pool miss)
+            return None
         try:
             with self.pool.read(key) as view:
                 header = read_header(view)
