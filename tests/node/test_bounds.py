@@ -326,3 +326,19 @@ def test_the_watchdog_cancels_only_what_went_quiet() -> None:
     assert dog.check(now=now + 20) == []  # cancelled once
     dog.done(busy)
     assert dog.check(now=now + 1000) == []
+
+
+def test_the_coordinator_is_told_committed_bytes_only() -> None:
+    """A heartbeat's used bytes leave out open reservations: the watermark plan never evicts
+    committed blocks because space is reserved and not yet committed."""
+    from types import SimpleNamespace
+
+    from kvstore.cluster.store_node import StoreNode
+
+    with BlockPool(1 << 20) as pool:
+        pool.put(b"\1" * 32, bytes(4096))
+        committed = pool.stats().used_bytes
+        res = pool.reserve(b"\2" * 32, 512 << 10)
+        assert pool.stats().used_bytes > committed
+        assert StoreNode._stats(SimpleNamespace(pool=pool)).used_bytes == committed  # noqa: SLF001
+        pool.abort(res)
