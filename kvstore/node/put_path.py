@@ -20,7 +20,7 @@ silence; a PutBatch arrives whole, so it holds no worker while its client is slo
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import grpc
@@ -82,8 +82,7 @@ class PutPath:
 
     s: Any
     pool: Any
-
-    def grant(self, context: grpc.ServicerContext) -> Grant: ...
+    grant: Callable[[grpc.ServicerContext], Grant]
 
     def Put(self, request_iterator: Iterator[pb.PutChunk], context: grpc.ServicerContext
             ) -> pb.PutResponse:
