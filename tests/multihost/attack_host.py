@@ -102,11 +102,13 @@ class RunningAttack:
         raise RuntimeError(f"attacker never became ready: {''.join(self.lines)[-2000:]}")
 
     def finish(self, timeout: float = 120.0, release: bool = True) -> dict:
-        """Let go (close its stdin) when ``release``, and return its result."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        if release:
+        """Let go (close its stdin) when ``release``, else let it run out its own hold; its
+        result."""
+        assert self.proc.stdout is not None
+        if release and self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
+            self.proc.stdin = None  # communicate() must not flush it again
         try:
             out, err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -66,8 +66,18 @@ class RayCluster:
 
     @property
     def redis_url(self) -> str:
-        """The private Redis (index) on the head, with its password."""
-        return f"redis://:{self.redis_password}@{self.head.ip}:{REDIS_PORT}/0"
+        """The private Redis (index) on the head: TLS, its password kept out of the URL."""
+        return f"rediss://{self.head.ip}:{REDIS_PORT}/0"
+
+    @property
+    def secrets_dir(self) -> Path:
+        """The head's kvstore secrets directory (``kvstore start`` and ``credentials``)."""
+        return Path(self.env["KVSTORE_SECURITY_SECRETS_DIR"])
+
+    @property
+    def redis_conf(self) -> Path:
+        """The redis.conf include ``kvstore credentials redis-conf`` wrote (0600)."""
+        return self.head.temp_dir / "redis.conf"
 
 
 def make_env(token: str) -> dict[str, str]:
@@ -98,10 +108,23 @@ def start_node(cluster: RayCluster, host: Host) -> subprocess.Popen:
                              cluster.logs / f"ray-{host.name}.log", env=cluster.env)
 
 
+def prepare_redis(cluster: RayCluster) -> None:
+    """As the deploy docs do on the head: ``kvstore credentials redis-conf`` makes the cluster
+    secrets, a Redis password and a certificate from the cluster CA, in a 0600 include; the
+    password never goes into any argv."""
+    proc = in_host(cluster, cluster.head, "kvstore", "credentials", "redis-conf", "--out",
+                   str(cluster.redis_conf), "--tls-host", cluster.head.ip, "127.0.0.1",
+                   "--port", str(REDIS_PORT), timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"kvstore credentials redis-conf failed: {proc.stderr[-2000:]}")
+    cluster.redis_password = (cluster.secrets_dir / "redis_password").read_text().strip()
+
+
 def start_redis(cluster: RayCluster) -> subprocess.Popen:
-    """A private redis-server on the head host, password-protected, no persistence."""
-    argv = [shutil.which("redis-server") or "redis-server", "--port", str(REDIS_PORT),
-            "--bind", cluster.head.ip, "127.0.0.1", "--requirepass", cluster.redis_password,
+    """A private redis-server on the head host: TLS only, password from its conf, no
+    persistence."""
+    argv = [shutil.which("redis-server") or "redis-server", str(cluster.redis_conf),
+            "--bind", cluster.head.ip, "127.0.0.1",
             "--save", "", "--appendonly", "no", "--dir", str(cluster.head.temp_dir)]
     return cluster.net.spawn(cluster.head, argv, cluster.logs / "redis.log", env=cluster.env)
 
@@ -116,9 +139,10 @@ def restart_redis(cluster: RayCluster) -> None:
 
 def redis_ping(cluster: RayCluster) -> bool:
     """Whether the private Redis answers (asked from the head host)."""
-    proc = in_host(cluster, cluster.head, "redis-cli", "-h", cluster.head.ip, "-p",
-                   str(REDIS_PORT), "-a", cluster.redis_password, "--no-auth-warning", "ping",
-                   timeout=10)
+    proc = in_host(cluster, cluster.head, "redis-cli", "--tls", "--cacert",
+                   str(cluster.secrets_dir / "ca.pem"), "-h", cluster.head.ip, "-p",
+                   str(REDIS_PORT), "ping", timeout=10,
+                   env={**cluster.env, "REDISCLI_AUTH": cluster.redis_password})
     return proc.stdout.strip() == "PONG"
 
 
@@ -143,10 +167,13 @@ def in_host(cluster: RayCluster, host: Host, *cmd: str, timeout: float = 120.0,
 
 def alive_nodes(cluster: RayCluster) -> list[str]:
     """Node IPs the GCS reports alive, asked from the head host (`ray list nodes`)."""
-    proc = in_host(cluster, cluster.head, "python3", "-c",
-                   "import ray, json; ray.init(address='auto', logging_level='ERROR');"
-                   "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() "
-                   "if n['Alive']]))", timeout=60)
+    try:
+        proc = in_host(cluster, cluster.head, "python3", "-c",
+                       "import ray, json; ray.init(address='auto', logging_level='ERROR');"
+                       "print(json.dumps([n['NodeManagerAddress'] for n in ray.nodes() "
+                       "if n['Alive']]))", timeout=60)
+    except subprocess.TimeoutExpired:  # a busy box: the caller's wait_for asks again
+        return []
     if proc.returncode != 0:
         return []
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -165,11 +192,12 @@ def boot_cluster(net: Network, logs: Path) -> RayCluster:
     """Redis and a Ray head on hosts[0], Ray workers on the rest; returns when all are alive."""
     logs.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(32)
-    cluster = RayCluster(net=net, token=token, redis_password=secrets.token_hex(16), logs=logs,
+    cluster = RayCluster(net=net, token=token, redis_password="", logs=logs,
                          env=make_env(token))
     # The head's secrets directory (~/.ray/kvstore on a real head): the hosts share this
     # machine's /root, so the run keeps its own, private to it.
     cluster.env["KVSTORE_SECURITY_SECRETS_DIR"] = str(logs.parent / "secrets")
+    prepare_redis(cluster)
     cluster.redis = start_redis(cluster)
     start_node(cluster, cluster.head)
     for host in net.hosts[1:]:
@@ -191,9 +219,12 @@ GENERATE_FLAGS = ["--model", "tiny", "--block-size", "16", "--chunk-tokens", "32
 
 def kvstore_start(cluster: RayCluster, capacity: str = "256MiB",
                   config: Path | None = None) -> subprocess.CompletedProcess:
-    """`kvstore start` on the head against the private Redis (as deploy/cluster.yaml does)."""
+    """`kvstore start` on the head against the private Redis, as deploy/cluster.yaml does:
+    secure by default, rediss:// (the CA from the secrets directory), the password from its
+    file."""
     extra = ["--config", str(config)] if config is not None else []
     return in_host(cluster, cluster.head, "kvstore", "start", "--redis", cluster.redis_url,
+                   "--redis-password-file", str(cluster.secrets_dir / "redis_password"),
                    "--capacity", capacity, "--address", cluster.gcs_address, *extra,
                    timeout=180)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.cluster.operations import salt_label
 from kvstore.config import ServerConfig
 from kvstore.keys import SCHEMA_VERSION
 from kvstore.security import data_keys
@@ -128,8 +129,9 @@ def scene(kvstore_cluster: RayCluster, work_dir: Path, prompt_files: dict[str, P
     assert [r["output_token_ids"] for r in rows] == [reference[r["id"]] for r in rows]
     new = _new_keys(before, probe(cluster, "snapshot"))
     holder_id = max(new, key=lambda nid: len(new[nid]))
+    assert len(new[holder_id]) >= 6, f"tenant A's job stored no blocks: {new}"
     described = [n for n in _kvstore_ls(cluster)["namespaces"]
-                 if n.get("described") and n.get("salt") == TENANT_A]
+                 if n.get("described") and n.get("salt") == salt_label(TENANT_A)]
     assert described, "no worker described tenant A's namespace"
     d = described[0]
     a_ns = {"schema_version": SCHEMA_VERSION, "model_fingerprint": d["model_fingerprint"],
@@ -192,6 +194,17 @@ def grow(before: Usage, after: Usage) -> tuple[int, int]:
 
 
 # --- the table ----------------------------------------------------------------------------------
+
+def test_cluster_started_the_documented_way_is_secure(scene: Scene) -> None:
+    """The premise of every row: `kvstore status` reports auth, TLS, tenant checks and keyed
+    namespaces on, and not insecure."""
+    sec = kvstore_status(scene.cluster).get("security", {})
+    assert {k: sec.get(k) for k in ("auth", "tls", "tenant_enforcement", "keyed_namespaces",
+                                    "insecure")} == {"auth": True, "tls": True,
+                                                     "tenant_enforcement": True,
+                                                     "keyed_namespaces": True,
+                                                     "insecure": False}, sec
+
 
 @pytest.mark.parametrize("who", ["none", "wrong", "forged"])
 def test_every_rpc_without_valid_credentials_is_unauthenticated(scene: Scene, who: str) -> None:
