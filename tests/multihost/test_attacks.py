@@ -29,7 +29,6 @@ import pytest
 from kvstore.cluster.operations import salt_label
 from kvstore.config import ServerConfig
 from kvstore.keys import SCHEMA_VERSION
-from kvstore.security import data_keys
 from kvstore.security.grants import issue_credential
 from kvstore.security.secrets_store import ClusterSecrets, SecretsStore
 from tests.multihost import attacker as wire
@@ -93,6 +92,7 @@ class Scene:
     a_keys: list[str]
     a_tokens: list[int]  # tenant A's system prompt: the token ids in its blocks' headers
     creds: dict[str, str | None] = field(default_factory=dict)
+    tenant_key: str = ""  # tenant A's key (hex), handed to A's writer with its credential
 
     @property
     def admin(self) -> str:
@@ -105,6 +105,15 @@ class Scene:
 def _kvstore_ls(cluster: RayCluster) -> dict:
     proc = in_host(cluster, cluster.head, "kvstore", "ls", "--json", "--limit", "1000",
                    env={**cluster.env, "RAY_ADDRESS": cluster.gcs_address})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+def _issue(cluster: RayCluster, subject: str, tenant: str) -> dict:
+    """A tenant's write credential and tenant key, as the operator hands them out
+    (``kvstore credentials issue --tenant-key`` on the head)."""
+    proc = in_host(cluster, cluster.head, "kvstore", "credentials", "issue", "--subject",
+                   subject, "--write", tenant, "--ttl", "1h", "--tenant-key")
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout)
 
@@ -157,12 +166,15 @@ def scene(kvstore_cluster: RayCluster, work_dir: Path, prompt_files: dict[str, P
     a_tokens = make_prompts()["tenant"][0]["token_ids"][:96]
     attacker = add_attacker_host(cluster.net, work_dir / "hosts")
     s = Scene(cluster, attacker, sec, ca, nodes, holder, a_ns, sorted(new[holder_id]), a_tokens)
+    a_issued, b_issued = (_issue(cluster, subject, tenant) for subject, tenant in
+                          (("tenant-a-writer", TENANT_A), ("tenant-b-writer", TENANT_B)))
+    s.tenant_key = a_issued["tenant_keys"][TENANT_A]
     s.creds = {
         "none": None,
         "wrong": secrets.token_urlsafe(32),
         "forged": issue_credential(secrets.token_urlsafe(32), "mallory", admin=True),
-        "a": issue_credential(sec.token, "tenant-a-writer", write=[TENANT_A]),
-        "b": issue_credential(sec.token, "tenant-b-writer", write=[TENANT_B]),
+        "a": a_issued["credential"],
+        "b": b_issued["credential"],
     }
     yield s
     remove_host(attacker)
@@ -437,9 +449,8 @@ def test_valid_block_followed_by_junk_is_refused(scene: Scene, unary: bool) -> N
     followed by 8 MiB of junk: refused, nothing stored. The same blocks without junk store."""
     rng = struct.unpack("<32H", secrets.token_bytes(64))
     tokens = [1 + t % 400 for t in rng]  # two fresh blocks nobody has written
-    a_key = data_keys.tenant_key(bytes.fromhex(scene.secrets.data_key), TENANT_A).hex()
     kw = {"target": scene.holder.grpc, "ca_pem": scene.ca, "token": scene.creds["a"],
-          "namespace": scene.a_ns, "tenant_key_hex": a_key, "token_ids": tokens,
+          "namespace": scene.a_ns, "tenant_key_hex": scene.tenant_key, "token_ids": tokens,
           "unary": unary}
     junk = attack(scene.attacker, "put_tenant_blocks", junk_bytes=8 * MiB, **kw)
     assert junk["code"] in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"), junk
@@ -457,7 +468,7 @@ def test_secrets_are_not_in_argv_nor_plaintext_on_the_wire(scene: Scene) -> None
     sec = scene.secrets
     secret_values = {"cluster token": sec.token, "data key": sec.data_key,
                      "redis password": sec.redis_password or scene.cluster.redis_password,
-                     "tenant A credential": scene.creds["a"]}
+                     "tenant A credential": scene.creds["a"], "tenant A key": scene.tenant_key}
     argv = cmdlines_in(scene.cluster.net.hosts)
     assert argv, "no process found in the hosts"
     for what, value in secret_values.items():
