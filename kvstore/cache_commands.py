@@ -40,6 +40,17 @@ def connect(args: argparse.Namespace) -> None:
     ensure_ray(args.address, start_local=False)
 
 
+def with_cluster_data_key(args: argparse.Namespace, config: KVStoreConfig) -> KVStoreConfig:
+    """A secure cluster's roots are keyed with its data key, which an operator's settings rarely
+    carry: take it from the running cluster (over Ray, as every client does) when they lack it."""
+    if config.security.data_key:
+        return config
+    from kvstore.cluster.lifecycle import cluster_config
+
+    connect(args)
+    return cluster_config(config)
+
+
 def parse_keys(hexes: Sequence[str]) -> list[bytes]:
     """Block keys from hex; each must be a 32-byte sha256 digest (64 hex digits)."""
     keys = []
@@ -102,7 +113,7 @@ def prompt_keys(args: argparse.Namespace) -> tuple[list[bytes], str]:
 
     prompts = read_prompt_tokens(args.prompts, args.text, args.tokenizer,
                                  config.worker.model)
-    ns = worker_namespace(config)
+    ns = worker_namespace(with_cluster_data_key(args, config))
     blocks = prompt_blocks(ns, prompts)
     lines = [f"namespace {ns.root.hex()} ({config.worker.model}, {ns.dtype}, "
              f"block {ns.block_size})"]
@@ -156,9 +167,9 @@ def namespace_root(args: argparse.Namespace) -> bytes:
     if args.model:
         from workers.prompt_keys import worker_namespace
 
-        return worker_namespace(operator_config(args, {
+        return worker_namespace(with_cluster_data_key(args, operator_config(args, {
             "model": args.model, "seed": args.seed, "block_size": args.block_size,
-            "cache_salt": args.salt})).root
+            "cache_salt": args.salt}))).root
     fields = {"model_fingerprint": args.model_fingerprint, "dtype": args.dtype,
               "block_size": args.block_size, "num_layers": args.num_layers,
               "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim}
@@ -170,7 +181,7 @@ def namespace_root(args: argparse.Namespace) -> bytes:
     from kvstore.security.data_keys import parse_data_key
 
     # With the cluster's data key (security.data_key) roots are keyed, as the workers make them.
-    data_key = parse_data_key(operator_config(args).security.data_key)
+    data_key = parse_data_key(with_cluster_data_key(args, operator_config(args)).security.data_key)
     return Namespace(cache_salt=args.salt or "", data_key=data_key,  # type: ignore[arg-type]
                      **fields).root
 

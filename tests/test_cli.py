@@ -41,7 +41,8 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120
 
 def _base_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("KVSTORE_", "RAY_")) or k == "KVSTORE_STATE_DIR"}
+           if not k.startswith(("KVSTORE_", "RAY_"))
+           or k in ("KVSTORE_STATE_DIR", "KVSTORE_SECURITY_SECRETS_DIR")}  # tests/conftest.py
     # Ray turns token auth on by itself when ~/.ray/auth_token exists: pin one mode for all.
     env["RAY_AUTH_MODE"] = "disabled"
     return env

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -29,8 +30,23 @@ def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           text=True, env=env, timeout=120)
 
 
-def one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
+#: What `kvstore start` says first when --redis carries a password (it still works).
+ARGV_PASSWORD_WARNING = "kvstore: warning: the Redis password in --redis is visible"
+
+
+def error_lines(proc: subprocess.CompletedProcess[str]) -> list[str]:
+    """stderr's lines without the argv-password warning, which must be there exactly when
+    the command line had a password in a Redis URL."""
     lines = proc.stderr.strip().splitlines()
+    warned = [ln for ln in lines if ln.startswith(ARGV_PASSWORD_WARNING)]
+    with_password = any(str(a).startswith("redis") and urlsplit(str(a)).password
+                        for a in proc.args)
+    assert len(warned) == int(bool(with_password)), proc.stderr
+    return [ln for ln in lines if not ln.startswith(ARGV_PASSWORD_WARNING)]
+
+
+def one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
+    lines = error_lines(proc)
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("kvstore: error: ") and "Traceback" not in proc.stderr
     return lines[0]
@@ -79,6 +95,23 @@ def test_wrong_redis_password_is_exit_4(tmp_path: Path) -> None:
     assert "Redis" in line and "wrong-pw" not in line and ":***@" in line
 
 
+@pytest.mark.redis
+def test_wrong_redis_password_from_a_file_is_exit_4_without_argv_warning(tmp_path: Path) -> None:
+    """The documented way: the URL has no password, --redis-password-file names it."""
+    require_redis_server()
+    server = start_redis_server(password="right-pw")
+    pw = tmp_path / "redis_password"
+    pw.write_text("wrong-pw\n")
+    try:
+        proc = run_cli(tmp_path, "start", "--redis", f"redis://127.0.0.1:{server.port}/0",
+                       "--redis-password-file", str(pw))
+    finally:
+        server.stop()
+    assert proc.returncode == 4
+    line = one_error_line(proc)  # and no argv-password warning: nothing secret in argv
+    assert "rejected the credentials" in line and "wrong-pw" not in proc.stderr
+
+
 def test_no_cluster_is_exit_3_saying_what_to_run(tmp_path: Path) -> None:
     proc = run_cli(tmp_path, "status")
     assert proc.returncode == 3
@@ -90,7 +123,7 @@ def test_stale_record_is_ignored_with_a_note(tmp_path: Path) -> None:
     address.record(RecordedCluster(stale, "disabled"), {address.STATE_DIR_ENV: str(tmp_path)})
     proc = run_cli(tmp_path, "status")
     assert proc.returncode == 3
-    note, error = proc.stderr.strip().splitlines()
+    note, error = error_lines(proc)
     assert note.startswith("kvstore: note: ignoring") and stale in note
     assert error.startswith("kvstore: error: no Ray cluster")
 
@@ -116,7 +149,7 @@ def test_start_failing_in_an_actor_undoes_the_head_it_started(tmp_path: Path) ->
     proc = subprocess.run([sys.executable, "-c", _NO_PRECHECK, "start", "--redis", url],
                           capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 4, proc.stderr  # the actor's IndexUnavailable, unwrapped
-    note, error = proc.stderr.strip().splitlines()
+    note, error = error_lines(proc)
     head_address = note.split(" at ")[1].split()[0]
     assert note.startswith("kvstore: started a local Ray head")
     assert error.startswith("kvstore: error: Redis index at redis://:***@127.0.0.1:")

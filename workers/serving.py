@@ -91,6 +91,9 @@ class Deployment:
             except NodeUnavailable:  # nothing running: the embedded default
                 lifecycle.start(config)
                 self.started_cluster = True
+            # What the running cluster hands its clients and this config lacks: the token, the
+            # CA and the data key (a secure cluster's keyed namespaces), for every replica too.
+            config = lifecycle.cluster_config(config)
             self.store = lifecycle.connect(config)
             factory = cluster_store_factory(config)
             check_resources(prefill_resources, "--prefill-resource")
