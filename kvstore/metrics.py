@@ -133,8 +133,8 @@ for _kind in PREFILL_KINDS:
     PREFILL_TOKENS.labels(kind=_kind)
 for _kind in ("added", "removed"):
     COORD_DRIFT.labels(kind=_kind)
-for _reason in BULK_REFUSALS:
-    BULK_REFUSED.labels(reason=_reason)
+for _refused in BULK_REFUSALS:
+    BULK_REFUSED.labels(reason=_refused)
 
 _servers: list[WSGIServer] = []
 

@@ -58,6 +58,7 @@ from kvstore.cluster.names import (
 from kvstore.cluster.rotation import apply_overlay, clear_overlay
 from kvstore.config import KVStoreConfig
 from kvstore.errors import ClusterConflict, ClusterUnavailable
+from kvstore.node.wire import LOCAL_HOSTS
 
 #: How long start() waits for every store node to register before giving up.
 START_TIMEOUT_S = 60.0
@@ -213,7 +214,7 @@ STORE_SECTIONS = ("pool", "server", "index", "coordinator")
 #: Settings a start fills in itself (secure by default): a re-start that leaves them unset
 #: asks for "whatever runs", never for "none"; node certificates differ per node anyway.
 _GENERATED = {"server.auth_token", "server.previous_auth_token", "server.tls_cert_pem",
-              "server.tls_key_pem"}
+              "server.tls_key_pem", "server.advertise_host"}
 
 
 def config_differences(running: KVStoreConfig, requested: KVStoreConfig) -> list[str]:
@@ -291,8 +292,11 @@ def start(config: KVStoreConfig | None = None, *, address: str | Resolved | None
         info.already_running = True
         return info
     nodes = alive_nodes()
-    plan = plan_security(config, nodes, private=ray_is_private())
+    private = ray_is_private()
+    plan = plan_security(config, nodes, private=private)
     base = secured_config(config, plan)
+    if private and plan.mode == "loopback":
+        base = loopback_only(base)
     try:
         info = _bring_up(base, plan, nodes)
     except BaseException:
@@ -301,6 +305,18 @@ def start(config: KVStoreConfig | None = None, *, address: str | Resolved | None
     info.security, info.secrets_dir, info.secrets_created = (
         plan.mode, plan.secrets_dir, plan.created)
     return info
+
+
+def loopback_only(config: KVStoreConfig) -> KVStoreConfig:
+    """The embedded default stays on this machine: a private Ray still names the host's
+    network address as its node IP, but plain store nodes and the index service must not be
+    reachable from the network, so they bind and advertise 127.0.0.1 (``bind_node_ip`` keeps an
+    explicit loopback advertise address). An operator's own non-loopback host is kept."""
+    server = config.server
+    if server.host not in LOCAL_HOSTS or server.advertise_host is not None:
+        return config
+    return dataclasses.replace(config, server=dataclasses.replace(
+        server, host="127.0.0.1", advertise_host="127.0.0.1"))
 
 
 def _head_node(nodes: list[NodeInfo]) -> NodeInfo | None:

@@ -136,10 +136,12 @@ class StoreNode:
         server took the tokens (False: it cannot, and keeps its old ones until restarted)."""
         import dataclasses
 
-        self.config.server = dataclasses.replace(
-            self.config.server, auth_token=auth_token, previous_auth_token=previous_auth_token,
-            **({"tls_cert_pem": tls_cert_pem, "tls_key_pem": tls_key_pem}
-               if tls_cert_pem and tls_key_pem else {}))
+        server = dataclasses.replace(self.config.server, auth_token=auth_token,
+                                     previous_auth_token=previous_auth_token)
+        if tls_cert_pem and tls_key_pem:
+            server = dataclasses.replace(server, tls_cert_pem=tls_cert_pem,
+                                         tls_key_pem=tls_key_pem)
+        self.config.server = server
         if client_auth_token:
             self.config.client = dataclasses.replace(self.config.client,
                                                      auth_token=client_auth_token)

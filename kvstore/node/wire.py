@@ -99,7 +99,12 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost")
 
 
 def bind_node_ip(config: ServerConfig, ip: str) -> ServerConfig:
-    """Bind the node's IP (not loopback) so other nodes can reach it; advertise that IP."""
+    """Bind the node's IP (not loopback) so other nodes can reach it; advertise that IP.
+
+    Loopback in both ``host`` and ``advertise_host`` means "this machine only" on purpose (the
+    embedded default: ``kvstore.cluster.lifecycle.loopback_only``) and is kept."""
+    if config.host in LOCAL_HOSTS and config.advertise_host in LOCAL_HOSTS:
+        return config
     host = ip if config.host in LOCAL_HOSTS else config.host
     return dataclasses.replace(config, host=host, advertise_host=config.advertise_host or ip)
 

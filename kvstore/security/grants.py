@@ -52,8 +52,9 @@ class Grant:
 
     def check_read(self, tenant: str) -> None:
         if not self.may_read(tenant):
+            readable = _shown(self.read | self.write)
             raise PermissionDenied(f"credential {self.subject!r} may not read tenant "
-                                   f"{tenant!r} (cache salt); it reads {_shown(self.read | self.write)}")
+                                   f"{tenant!r} (cache salt); it reads {readable}")
 
     def check_write(self, tenant: str) -> None:
         if not self.may_write(tenant):

@@ -256,3 +256,20 @@ def test_plan_is_plain_only_on_loopback_or_a_private_ray() -> None:
     assert credentials.plan_security(cfg, there, private=True).mode == "loopback"
     insecure = load_config(env={}, overrides={"security": {"insecure": True}})
     assert credentials.plan_security(insecure, there).mode == "insecure"
+
+
+def test_the_embedded_default_binds_loopback_only() -> None:
+    """A private Ray names the host's network address as its node IP; the plain embedded
+    default must still bind and advertise 127.0.0.1, or it would serve the network unguarded."""
+    from kvstore.node.wire import bind_node_ip
+
+    cfg = load_config(env={})
+    kept = lifecycle.loopback_only(cfg).server
+    assert (kept.host, kept.advertise_host) == ("127.0.0.1", "127.0.0.1")
+    bound = bind_node_ip(kept, "192.0.2.7")
+    assert (bound.host, bound.advertise_host) == ("127.0.0.1", "127.0.0.1")
+    # Without loopback_only a store node binds the node's IP (what a cluster needs).
+    assert bind_node_ip(cfg.server, "192.0.2.7").host == "192.0.2.7"
+    # An operator's own bind address is never overridden.
+    own = load_config(env={}, overrides={"server": {"host": "0.0.0.0"}})
+    assert lifecycle.loopback_only(own).server.host == "0.0.0.0"
