@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import msgpack
 
 from kvstore.errors import ConfigError, PermissionDenied, Unauthenticated
+from kvstore.security.data_keys import tenant_of
 
 PREFIX = "kvs1."
 #: Grants every tenant.
@@ -71,8 +72,10 @@ class Grant:
 ADMIN = Grant("cluster", frozenset({ANY}), frozenset({ANY}), admin=True)
 
 
-def _grants(tenants: frozenset[str], tenant: str) -> bool:
-    return ANY in tenants or tenant in tenants
+def _grants(tenants: frozenset[str], salt: str) -> bool:
+    """Whether ``tenants`` covers the tenant ``salt`` belongs to (the engine's
+    ``salt + "\\x00reuse=block"`` namespaces belong to ``salt``'s tenant)."""
+    return ANY in tenants or tenant_of(salt) in tenants
 
 
 def _shown(tenants: frozenset[str]) -> str:
