@@ -38,9 +38,11 @@ from protos import kvstore_pb2_grpc as pbg
 CALL_TIMEOUT_S = 10.0
 BULK_MAGIC = b"KVB2"
 BULK_MISSING = (1 << 64) - 1
-#: The bulk channel's request cap (kvstore/node/bulk.py MAX_REQUEST_BYTES): a flood declares
-#: one byte less, the most a node would buffer before reading the token.
-BULK_MAX_BODY = 1 << 20
+#: The bulk channel's caps (kvstore/node/bulk_frames.py MAX_CREDENTIAL_BYTES and
+#: MAX_REQUEST_BYTES, 256 KiB): a flood declares the largest credential and a body one byte
+#: under the cap, so its head passes the node's size checks and only the credential stops it.
+BULK_MAX_CREDENTIAL = 4096
+BULK_MAX_BODY = 256 << 10
 ALIGN = 64
 
 
@@ -278,6 +280,29 @@ def _recv_all(sock: socket.socket, limit: int, deadline: float) -> bytes:
     return bytes(out)
 
 
+def _recv_response(sock: socket.socket, limit: int, deadline: float) -> bytes:
+    """One response frame (the node keeps the connection open after it): read until the frame
+    is whole by its own lengths, the node closes, ``limit`` bytes, or the deadline."""
+    raw = bytearray()
+
+    def want(n: int) -> bool:
+        if len(raw) < n:
+            raw.extend(_recv_all(sock, min(n, limit) - len(raw), deadline))
+        return len(raw) >= n
+
+    if not want(9) or raw[:4] != BULK_MAGIC:
+        return bytes(raw)
+    end = 9 + struct.unpack("<I", raw[5:9])[0]
+    if not want(end) or raw[4] != 0 or not want(end + 4):
+        return bytes(raw)
+    (n,) = struct.unpack("<I", raw[end:end + 4])
+    end += 4 + 8 * n
+    if want(end):
+        sizes = struct.unpack(f"<{n}Q", raw[end - 8 * n:end])
+        want(end + sum(s for s in sizes if s != BULK_MISSING))
+    return bytes(raw)
+
+
 def bulk_read(target: str, ca_pem: str | None, token: str, keys: list[str],
               namespace: dict | None, expect_bytes: int = 0) -> dict[str, Any]:
     """One bulk request with ``token`` (``""``: empty): the status byte, the message, each
@@ -292,8 +317,8 @@ def bulk_read(target: str, ca_pem: str | None, token: str, keys: list[str],
             sock.sendall(bulk_frame(token.encode(), keys, namespace))
         except (OSError, ssl.SSLError) as exc:
             return {"connected": True, "error": f"send: {exc}", "received": 0, "raw_hex": ""}
-        raw = _recv_all(sock, 9 + 4096 + 4 + 8 * len(keys) + expect_bytes,
-                        time.monotonic() + CALL_TIMEOUT_S)
+        raw = _recv_response(sock, 9 + 4096 + 4 + 8 * len(keys) + expect_bytes,
+                             time.monotonic() + CALL_TIMEOUT_S)
     out: dict[str, Any] = {"connected": True, "received": len(raw), "raw_hex": raw.hex()}
     if len(raw) >= 9 and raw[:4] == BULK_MAGIC:
         status, msg_len = raw[4], struct.unpack("<I", raw[5:9])[0]
@@ -309,18 +334,22 @@ def bulk_read(target: str, ca_pem: str | None, token: str, keys: list[str],
 
 def bulk_flood(target: str, ca_pem: str | None, connections: int, body_bytes: int,
                hold_s: float) -> dict[str, Any]:
-    """Open ``connections`` bulk connections, each declaring a 1 MiB - 1 body and sending up to
-    ``body_bytes`` of it with no credential; print READY, hold them ``hold_s``, then report how
-    many the node let in, how many bytes it took, and how many it had closed by then."""
-    chunk = b"\xa5" * body_bytes
-    # The most a frame can declare before its credential, then junk where the credential is.
-    head = BULK_MAGIC + struct.pack("<HI", 0xFFFF, BULK_MAX_BODY - 1)
+    """Open ``connections`` bulk connections with no credential: every other one sends a head
+    declaring the largest credential and a body just under the cap, then junk where the
+    credential goes and up to ``body_bytes`` of body; the rest go silent after the TLS
+    handshake (they hold a connection slot until the node's header deadline). Print READY,
+    hold them ``hold_s``, then report how many the node let in, how many bytes it took, and
+    how many it had closed by then."""
+    chunk = b"\xa5" * (BULK_MAX_CREDENTIAL + min(body_bytes, BULK_MAX_BODY - 1))
+    head = BULK_MAGIC + struct.pack("<HI", BULK_MAX_CREDENTIAL, BULK_MAX_BODY - 1)
 
-    def one(_: int) -> tuple[socket.socket | None, int, str]:
+    def one(i: int) -> tuple[socket.socket | None, int, str]:
         try:
             sock = bulk_socket(target, ca_pem, timeout=2.0)
         except (OSError, ssl.SSLError) as exc:
             return None, 0, type(exc).__name__
+        if i % 2:
+            return sock, 0, ""  # silent
         sent = 0
         try:
             sock.settimeout(1.0)
@@ -375,19 +404,27 @@ def _wait(hold_s: float) -> None:
 def stalled_puts(target: str, ca_pem: str | None, token: str, streams: int,
                  namespace: dict, total_nbytes: int, first_bytes: int, hold_s: float
                  ) -> dict[str, Any]:
-    """``streams`` Put streams that each send the first chunk of a ``total_nbytes`` block and
-    then go silent for ``hold_s``; READY once all are open. Per stream: its final status and
-    whether the node ended it before the attacker let go."""
+    """``streams`` Put streams that each send the first ``first_bytes`` of a ``total_nbytes``
+    block and then go silent for ``hold_s``; READY once each has handed gRPC all it sends
+    (or has ended). Per stream: its final status and whether the node ended it before the
+    attacker let go."""
     stub = pbg.StoreNodeStub(channel(target, ca_pem))
     release = threading.Event()
+    sent = [threading.Event() for _ in range(streams)]
     t0 = time.monotonic()
 
     def one(i: int) -> dict[str, Any]:
         key = hashlib.sha256(b"stall%d" % i).digest()
 
         def messages() -> Iterator[pb.PutChunk]:
-            yield pb.PutChunk(namespace=spec(namespace), key=key, total_nbytes=total_nbytes,
-                              offset=0, data=b"\x01" * first_bytes)
+            # ``first_bytes`` in chunks of at most 4 MiB (a message under gRPC's size limits)
+            for off in range(0, first_bytes, 4 << 20):
+                chunk = pb.PutChunk(key=key, total_nbytes=total_nbytes, offset=off,
+                                    data=b"\x01" * min(4 << 20, first_bytes - off))
+                if off == 0:
+                    chunk.namespace.CopyFrom(spec(namespace))
+                yield chunk
+            sent[i].set()  # gRPC asked for the message after the last one
             release.wait(hold_s)
 
         res = outcome(lambda: {"stored": stub.Put(messages(), metadata=metadata(token),
@@ -398,8 +435,13 @@ def stalled_puts(target: str, ca_pem: str | None, token: str, streams: int,
 
     with concurrent.futures.ThreadPoolExecutor(streams) as pool:
         futs = [pool.submit(one, i) for i in range(streams)]
-        time.sleep(1.0)  # the first messages are on the wire
-        print("READY=" + json.dumps({"streams": streams}), flush=True)
+        deadline = time.monotonic() + hold_s
+        while time.monotonic() < deadline and not all(
+                e.is_set() or f.done() for e, f in zip(sent, futs, strict=True)):
+            time.sleep(0.1)
+        time.sleep(0.5)  # the last messages are on the wire
+        print("READY=" + json.dumps({"streams": streams, "refused_at_once": sum(
+            f.done() for f in futs)}), flush=True)
         deadline = time.monotonic() + hold_s
         while time.monotonic() < deadline and not all(f.done() for f in futs):
             time.sleep(0.2)
