@@ -124,12 +124,23 @@ def kill_marked(marker: str) -> list[int]:
     return killed
 
 
+#: The last `kvstore status` answer store_node_ips saw (its error, or its output), for the
+#: failure message when the store nodes never all show.
+LAST_STATUS: dict[str, str] = {}
+
+
 def store_node_ips(env: dict[str, str], head: netns.Host) -> set[str]:
-    """Addresses of the live store nodes `kvstore status --json` reports, asked from the head."""
+    """Addresses of the live store nodes `kvstore status --json` reports, asked from the head.
+
+    The cluster is named (RAY_ADDRESS, as an operator elsewhere than the head's own login
+    would): kvstore's operator commands never scan for a Ray cluster, and the record `kvstore
+    start` left is in the head's home, not in the launcher's HOME this env carries."""
     proc = subprocess.run(head.argv("kvstore", "status", "--json"), capture_output=True,
-                          text=True, timeout=60, env=env)
+                          text=True, timeout=60, env={**env, "RAY_ADDRESS": f"{head.ip}:6379"})
     if proc.returncode != 0:
+        LAST_STATUS["error"] = f"kvstore status exit {proc.returncode}: {proc.stderr[-2000:]}"
         return set()
+    LAST_STATUS["error"] = proc.stdout[-2000:]
     nodes = json.loads(proc.stdout)["nodes"]
     return {n["address"].rpartition(":")[0] for n in nodes if n.get("alive", True)}
 
@@ -166,7 +177,8 @@ def test_ray_up_job_submit_ray_down(network: netns.Network, work_dir: Path) -> N
             wait_for(lambda: store_node_ips(env, hosts[0]) == want, 60,
                      f"a store node on each of {sorted(want)}", 2)
         except TimeoutError as exc:
-            raise AssertionError(f"{exc}\nhead autoscaler log:\n{monitor_tail(hosts[0])}") from exc
+            raise AssertionError(f"{exc}\nlast kvstore status: {LAST_STATUS.get('error')}\n"
+                                 f"head autoscaler log:\n{monitor_tail(hosts[0])}") from exc
         prompts = write_jsonl(work_dir / "up-prompts.jsonl", make_prompts()["base"])
         rows = {}
         for mode in ("cached", "no-cache"):
