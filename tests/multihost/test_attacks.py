@@ -407,7 +407,8 @@ def test_bulk_connection_flood_is_capped(scene: Scene) -> None:
     and RSS stay bounded, and a legitimate reader on another connection is served."""
     before = usage(scene.holder.pid)
     flood = attack_async(scene.attacker, "bulk_flood", target=scene.holder.bulk,
-                         ca_pem=scene.ca, connections=300, body_bytes=MiB, hold_s=60.0)
+                         ca_pem=scene.ca, connections=300,
+                         body_bytes=wire.BULK_MAX_BODY - 1, hold_s=60.0)
     try:
         opened = flood.ready(timeout=150)
         during = usage(scene.holder.pid)
