@@ -381,22 +381,29 @@ def test_planted_public_prompt_is_missed_and_outputs_equal_no_cache(
 
 def test_put_declaring_a_huge_block_is_refused_before_allocation(scene: Scene) -> None:
     """Row 6: a few-hundred-byte Put declaring a 512 MiB block (in a namespace whose block is
-    that big, and in A's namespace whose block is not): refused, the node's RSS unchanged."""
+    that big, and in A's namespace whose block is not), and a 192 MiB one (under
+    server.max_block_bytes: in a namespace whose block is that big, and in A's): refused, the
+    node's RSS unchanged."""
     huge_ns = {**scene.a_ns, "num_layers": 64, "block_size": 16, "num_kv_heads": 256,
                "head_dim": 256}  # 2^27 float32 values: a 512 MiB payload
+    big_ns = {**huge_ns, "num_layers": 24}  # a 192 MiB payload
+    big = block_nbytes(Namespace(**big_ns, tenant_key=bytes.fromhex(scene.tenant_key)))
+    cases = {"huge_namespace": (huge_ns, 512 * MiB + 4096), "a_namespace": (scene.a_ns,
+                                                                           512 * MiB + 4096),
+             "big_namespace": (big_ns, big), "a_namespace_big": (scene.a_ns, big)}
     before = usage(scene.holder.pid)
-    results = [attack(scene.attacker, "huge_put", target=scene.holder.grpc, ca_pem=scene.ca,
-                      token=scene.creds["a"], namespace=ns, total_nbytes=512 * MiB + 4096,
-                      data_bytes=64, requests=2) for ns in (huge_ns, scene.a_ns)]
+    results = {name: attack(scene.attacker, "huge_put", target=scene.holder.grpc,
+                            ca_pem=scene.ca, token=scene.creds["a"], namespace=ns,
+                            total_nbytes=total, data_bytes=64, requests=2)
+               for name, (ns, total) in cases.items()}
     after = usage(scene.holder.pid)
-    note("6 huge block Put", huge_namespace=results[0], a_namespace=results[1],
-         rss_growth_bytes=after.rss_bytes - before.rss_bytes)
-    for got in results:
+    note("6 huge block Put", rss_growth_bytes=after.rss_bytes - before.rss_bytes, **results)
+    for got in results.values():
         assert got["message_bytes"] < 1024
         for r in got["requests"]:
             assert r["code"] in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"), r
     rss, _ = grow(before, after)
-    assert rss < 64 * MiB, f"node RSS grew {rss / MiB:.0f} MiB over 4 refused Puts"
+    assert rss < 64 * MiB, f"node RSS grew {rss / MiB:.0f} MiB over 8 refused Puts"
     assert_a_intact(scene)
 
 
