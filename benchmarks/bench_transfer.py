@@ -8,9 +8,11 @@ Same-node reads go through the product path, ``ClusterStore.batch_get_into`` / `
 (lease, one copy-and-verify pass out of the arena, release without waiting), for batches of
 128 blocks (a 2048-token prompt at block_size 16) and 32, against memcpy of the same bytes into
 a destination of the same size and reuse. Every figure is the best of a few repeats (the
-least disturbed run on a shared machine).
+least disturbed run on a shared machine). Then the product-path reads again, a plain node
+against one with the cluster token, TLS and keyed blocks (``bench_transfer_secure``: what
+security costs on the data path; ``--no-secure`` skips it).
 
-    python -m benchmarks.bench_transfer [--quick] [--json bench-results/transfer.json]
+    python -m benchmarks.bench_transfer [--quick] [--no-secure] [--json bench-results/transfer.json]
 """
 
 from __future__ import annotations
@@ -26,16 +28,22 @@ from functools import partial
 from pathlib import Path
 
 import numpy as np
-import torch
 from redis.utils import HIREDIS_AVAILABLE
 
+from benchmarks.bench_transfer_secure import bench_secure
 from benchmarks.common import parse_args, report
-from kvstore.api import FetchedBlock, Miss, NodeAddress
-from kvstore.block import block_nbytes, encode_block_into
-from kvstore.cluster_store import ClusterStore, new_block_buffer
+from benchmarks.transfer_support import (
+    block_tokens,
+    cluster_store,
+    gbps,
+    make_blocks,
+    race,
+    store_fetch,
+)
+from kvstore.api import NodeAddress
+from kvstore.cluster_store import new_block_buffer
 from kvstore.config import ClientConfig
 from kvstore.index.base import IndexEntry
-from kvstore.index.memory import InMemoryIndex
 from kvstore.index.redis import RedisIndex
 from kvstore.keys import BlockHasher, Namespace
 from kvstore.node.client import StoreNodeClient
@@ -76,26 +84,6 @@ while conn.recv(1):
 """
 
 
-def make_blocks(ns: Namespace, num: int) -> tuple[list[bytes], list[bytearray]]:
-    tokens = torch.arange(num * ns.block_size).tolist()
-    keys = BlockHasher(ns).block_keys(tokens)
-    base = torch.randn(ns.payload_shape).to(ns.torch_dtype)
-    blocks = []
-    parent = ns.root
-    for i, key in enumerate(keys):
-        buf = bytearray(block_nbytes(ns))
-        base.view(-1)[i % base.numel()] = float(i)  # every block differs
-        encode_block_into(buf, ns, key, parent, tokens[i * ns.block_size:(i + 1) * ns.block_size],
-                          base)
-        blocks.append(buf)
-        parent = key
-    return list(keys), blocks
-
-
-def gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
-
-
 def fetch_all(client: StoreNodeClient, keys: list[bytes], bufs: list[bytearray], batch: int
               ) -> None:
     for i in range(0, len(keys), batch):
@@ -134,44 +122,6 @@ class RawTcp:
         self.proc.wait()
 
 
-def race(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Best time of each ``fn``, run in turns (one of each per round) so that every contender
-    sees the same background load: on a shared machine, a ratio is fair only this way."""
-    for fn in fns.values():
-        fn()  # warm-up: connections, page faults, caches
-    best = dict.fromkeys(fns, float("inf"))
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-    return best
-
-
-def cluster_store(addr: NodeAddress, ns: Namespace, keys: list[bytes], reader_node: str
-                  ) -> ClusterStore:
-    """A ClusterStore whose index lists ``keys`` on the bench node; same node when
-    ``reader_node`` is that node's id (shared memory), else remote (bulk)."""
-    index = InMemoryIndex()
-    parents = [ns.root, *keys[:-1]]
-    index.publish([IndexEntry(k, addr.node_id, block_nbytes(ns), p, ns.root)
-                   for k, p in zip(keys, parents, strict=True)])
-    return ClusterStore(addr.node_id, index, lambda node: addr,
-                        ClientConfig(timeout_s=120), local_node_id=reader_node)
-
-
-def store_fetch(store: ClusterStore, ns: Namespace, keys: list[bytes], tokens: list[list[int]],
-                batch: int, out: torch.Tensor | None) -> None:
-    """Every block through the product path, ``batch`` at a time; into ``out`` if given,
-    else ``batch_get`` (a fresh tensor per batch)."""
-    for i in range(0, len(keys), batch):
-        ks, ts = keys[i:i + batch], tokens[i:i + batch]
-        got = store.batch_get(ns, ks, ts) if out is None else store.batch_get_into(ns, ks, ts,
-                                                                                    out)
-        if not all(isinstance(g, FetchedBlock) for g in got):
-            raise RuntimeError(f"bench fetch missed: {[g for g in got if isinstance(g, Miss)][:1]}")
-
-
 def memcpy_batches(src: np.ndarray, batch_nbytes: int, fresh: bool) -> Callable[[], None]:
     """Copy ``src`` in ``batch_nbytes`` pieces into one reused destination, or a new one per
     piece: the baseline for the same-node path with the same buffer policy."""
@@ -184,11 +134,6 @@ def memcpy_batches(src: np.ndarray, batch_nbytes: int, fresh: bool) -> Callable[
             np.copyto(out, piece)
 
     return run
-
-
-def block_tokens(ns: Namespace, num: int) -> list[list[int]]:
-    tokens = torch.arange(num * ns.block_size).tolist()
-    return [tokens[i * ns.block_size:(i + 1) * ns.block_size] for i in range(num)]
 
 
 # -- the index against its floor: a 2,048-key lookup vs one MGET of the same keys ---------------
@@ -265,7 +210,9 @@ def bench_lookup(server: RedisProcess, repeats: int) -> dict[str, float]:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
+        "--no-secure", action="store_true",
+        help="skip the plain vs secure node arm (auth token, TLS, keyed blocks)"))
     n_big, n_small = (64, 256) if args.quick else (256, 1024)
     repeats = 3 if args.quick else 7
     big_keys, big_blocks = make_blocks(NS_2MIB, n_big)
@@ -426,6 +373,10 @@ def main() -> None:
          f"{f['redis_publish_blocks_per_s_batch200']:,.0f}", "one script call per batch"),
         ("redis-py reply parser", "hiredis" if HIREDIS_AVAILABLE else "python", parser),
     ]
+    if not args.no_secure:  # after the plain node above has stopped: its own three nodes
+        secure_figures, secure_rows = bench_secure(args.quick)
+        figures |= secure_figures
+        rows += secure_rows
     report("kvstore block transfer", rows, figures, args.json)
 
 
