@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.multihost.netns import PREFIX, Host, Network, run
+from tests.multihost.netns import Host, Network, new_host, plug_host, run
 
 REPO = Path(__file__).resolve().parents[2]
 #: The attacker's host number: its veth and namespace names follow netns.create's pattern, so
@@ -31,18 +31,9 @@ def add_attacker_host(net: Network, temp_root: Path) -> Host:
     """One more host on ``net``'s bridge (address .19), booted, NOT in ``net.hosts``: Ray and
     the cluster's teardown never see it. ``remove_host`` takes it down."""
     i = ATTACKER_INDEX
-    host = Host(name=f"h{i}", netns=f"{PREFIX}{net.run_id}-h{i}", ip=f"{net.subnet}.{10 + i}",
-                veth=f"kvsv{net.run_id}h{i}", temp_dir=temp_root / f"h{i}")
-    peer = f"kvsp{net.run_id}h{i}"
+    host = new_host(net, i, temp_root)
     try:
-        run(["ip", "netns", "add", host.netns])
-        run(["ip", "link", "add", host.veth, "type", "veth", "peer", "name", peer])
-        run(["ip", "link", "set", peer, "netns", host.netns])
-        run(["ip", "link", "set", host.veth, "master", net.bridge, "up"])
-        ns = ["ip", "netns", "exec", host.netns]
-        run([*ns, "ip", "addr", "add", f"{host.ip}/24", "dev", peer])
-        run([*ns, "ip", "link", "set", peer, "up"])
-        run([*ns, "ip", "link", "set", "lo", "up"])
+        plug_host(net, host, i, default_route=False)
         host.boot()
     except BaseException:
         remove_host(host)

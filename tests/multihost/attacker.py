@@ -460,6 +460,13 @@ def put_blocks(target: str, ca_pem: str | None, token: str | None, namespace: di
     blocks = [(key, encode_block(namespace, root, key, parent, tokens, fill)
                + b"\xee" * junk_bytes) for key, parent, tokens in
               chain(root, token_ids, namespace["block_size"])]
+    return _put_blocks(target, ca_pem, token, namespace, blocks, unary)
+
+
+def _put_blocks(target: str, ca_pem: str | None, token: str | None, namespace: dict,
+                blocks: list[tuple[bytes, bytes]], unary: bool) -> dict[str, Any]:
+    """Put ``(key, encoded bytes)`` pairs as one PutBatch or one Put stream: the status, the
+    keys sent and the size of a block as sent."""
     stub = pbg.StoreNodeStub(channel(target, ca_pem))
     kw = {"metadata": metadata(token), "timeout": 30.0}
     chunks = [pb.PutChunk(key=key, total_nbytes=len(data), offset=0, data=data)
@@ -512,16 +519,7 @@ def put_tenant_blocks(target: str, ca_pem: str | None, token: str, namespace: di
         payload = torch.randn(ns.payload_shape, generator=gen).to(ns.torch_dtype)
         blocks.append((key, bytes(product_encode(ns, key, parent, tokens, payload))
                        + b"\xee" * junk_bytes))
-    stub = pbg.StoreNodeStub(channel(target, ca_pem))
-    kw = {"metadata": metadata(token), "timeout": 30.0}
-    chunks = [pb.PutChunk(key=key, total_nbytes=len(data), offset=0, data=data)
-              for key, data in blocks]
-    chunks[0].namespace.CopyFrom(spec(namespace))
-    if unary:
-        res = outcome(lambda: _put_counts(stub.PutBatch(pb.PutBatchRequest(chunks=chunks), **kw)))
-    else:
-        res = outcome(lambda: _put_counts(stub.Put(iter(chunks), **kw)))
-    return {**res, "keys": [k.hex() for k, _ in blocks], "block_nbytes": len(blocks[0][1])}
+    return _put_blocks(target, ca_pem, token, namespace, blocks, unary)
 
 
 def health(target: str, ca_pem: str | None, token: str | None) -> dict[str, Any]:

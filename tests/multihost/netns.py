@@ -203,6 +203,28 @@ def cleanup_stale() -> None:
                 run(["ip", "link", "del", ifname], check=False)
 
 
+def new_host(net: Network, i: int, temp_root: Path) -> Host:
+    """Host number ``i`` of ``net`` (address .1i on its subnet), not yet plugged in."""
+    return Host(name=f"h{i}", netns=f"{PREFIX}{net.run_id}-h{i}", ip=f"{net.subnet}.{10 + i}",
+                veth=f"kvsv{net.run_id}h{i}", temp_dir=temp_root / f"h{i}")
+
+
+def plug_host(net: Network, host: Host, i: int, *, default_route: bool) -> None:
+    """Give ``host`` its namespace and a veth pair on ``net``'s bridge, with its address;
+    ``default_route`` sends its other traffic through the bridge's gateway."""
+    peer = f"kvsp{net.run_id}h{i}"
+    run(["ip", "netns", "add", host.netns])
+    run(["ip", "link", "add", host.veth, "type", "veth", "peer", "name", peer])
+    run(["ip", "link", "set", peer, "netns", host.netns])
+    run(["ip", "link", "set", host.veth, "master", net.bridge, "up"])
+    ns = ["ip", "netns", "exec", host.netns]
+    run([*ns, "ip", "addr", "add", f"{host.ip}/24", "dev", peer])
+    run([*ns, "ip", "link", "set", peer, "up"])
+    run([*ns, "ip", "link", "set", "lo", "up"])
+    if default_route:
+        run([*ns, "ip", "route", "add", "default", "via", net.gateway])
+
+
 def create(num_hosts: int, temp_root: Path, run_id: str | None = None) -> Network:
     """Build a bridge and `num_hosts` booted hosts at .10, .11, ... on a free /24."""
     run_id = run_id or str(os.getpid())
@@ -212,19 +234,9 @@ def create(num_hosts: int, temp_root: Path, run_id: str | None = None) -> Networ
         run(["ip", "addr", "add", f"{net.gateway}/24", "dev", net.bridge])
         run(["ip", "link", "set", net.bridge, "up"])
         for i in range(num_hosts):
-            host = Host(name=f"h{i}", netns=f"{PREFIX}{run_id}-h{i}", ip=f"{net.subnet}.{10 + i}",
-                        veth=f"kvsv{run_id}h{i}", temp_dir=temp_root / f"h{i}")
+            host = new_host(net, i, temp_root)
             net.hosts.append(host)
-            peer = f"kvsp{run_id}h{i}"
-            run(["ip", "netns", "add", host.netns])
-            run(["ip", "link", "add", host.veth, "type", "veth", "peer", "name", peer])
-            run(["ip", "link", "set", peer, "netns", host.netns])
-            run(["ip", "link", "set", host.veth, "master", net.bridge, "up"])
-            ns = ["ip", "netns", "exec", host.netns]
-            run([*ns, "ip", "addr", "add", f"{host.ip}/24", "dev", peer])
-            run([*ns, "ip", "link", "set", peer, "up"])
-            run([*ns, "ip", "link", "set", "lo", "up"])
-            run([*ns, "ip", "route", "add", "default", "via", net.gateway])
+            plug_host(net, host, i, default_route=True)
             host.boot()
     except BaseException:
         net.destroy()

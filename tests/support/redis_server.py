@@ -8,8 +8,6 @@ settings, which is how fault tests play "Redis restarted": the data is gone, the
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import shutil
 import socket
@@ -44,52 +42,18 @@ class TLSFiles:
 
 
 def make_tls_files(directory: str | Path) -> TLSFiles:
-    """Write a throwaway CA and server cert/key into ``directory`` (tests and local clusters)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    """Write a throwaway CA and a server cert/key for 127.0.0.1 and localhost into ``directory``
+    (tests and local clusters), made by the cluster CA code ``kvstore start`` uses."""
+    from kvstore.security.ca import issue_server_cert, new_ca
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=30)
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvstore test CA")])
-    ca_cert = (
-        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(start).not_valid_after(end)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False,
-                                     key_encipherment=False, data_encipherment=False,
-                                     key_agreement=False, key_cert_sign=True, crl_sign=True,
-                                     encipher_only=False, decipher_only=False), critical=True)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()),
-                       critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
-        .issuer_name(ca_name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
-        .add_extension(x509.SubjectAlternativeName([
-            x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-                       critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    pem = serialization.Encoding.PEM
+    ca = new_ca("kvstore test CA", days=30)
+    cert_pem, key_pem = issue_server_cert(ca, ["127.0.0.1", "localhost"], days=30)
     files = TLSFiles(str(d / "ca.crt"), str(d / "server.crt"), str(d / "server.key"))
-    Path(files.ca_file).write_bytes(ca_cert.public_bytes(pem))
-    Path(files.cert_file).write_bytes(cert.public_bytes(pem))
-    Path(files.key_file).write_bytes(key.private_bytes(
-        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    Path(files.ca_file).write_text(ca.cert_pem)
+    Path(files.cert_file).write_text(cert_pem)
+    Path(files.key_file).write_text(key_pem)
     os.chmod(files.key_file, 0o600)
     return files
 
