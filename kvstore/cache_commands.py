@@ -16,7 +16,7 @@ from typing import Any
 
 from kvstore.config import KVStoreConfig, load_config
 from kvstore.constants import KEY_NBYTES
-from kvstore.errors import ConfigError, KVStoreError
+from kvstore.errors import ClusterUnavailable, ConfigError, KVStoreError
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +47,10 @@ def with_cluster_data_key(args: argparse.Namespace, config: KVStoreConfig) -> KV
         return config
     from kvstore.cluster.lifecycle import cluster_config
 
-    connect(args)
+    try:
+        connect(args)
+    except ClusterUnavailable:  # no cluster: no data key to take (the call itself will say so)
+        return config
     return cluster_config(config)
 
 

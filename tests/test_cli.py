@@ -96,7 +96,7 @@ def test_status_without_ray_is_one_line_error() -> None:
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
-def test_parse_keys_and_namespace_root() -> None:
+def test_parse_keys_and_namespace_root(monkeypatch: pytest.MonkeyPatch) -> None:
     key = bytes(range(32))
     assert parse_keys([key.hex()]) == [key]
     with pytest.raises(ConfigError):
@@ -109,6 +109,14 @@ def test_parse_keys_and_namespace_root() -> None:
     assert namespace_root(args) == ns.root
     args = parser.parse_args(["invalidate", "--namespace", ns.root.hex()])
     assert namespace_root(args) == ns.root
+    # A secure cluster's roots are keyed with its data key, as its workers make them.
+    data_key = bytes(range(16, 48))
+    monkeypatch.setenv("KVSTORE_SECURITY_DATA_KEY", data_key.hex())
+    keyed = Namespace("fp", "float16", 16, 2, 2, 8, cache_salt="tenant", data_key=data_key)
+    args = parser.parse_args(["invalidate", "--model-fingerprint", "fp", "--dtype", "float16",
+                              "--block-size", "16", "--num-layers", "2", "--num-kv-heads", "2",
+                              "--head-dim", "8", "--salt", "tenant"])
+    assert namespace_root(args) == keyed.root != ns.root
 
 
 def test_status_json_totals_fill_in() -> None:
