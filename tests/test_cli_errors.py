@@ -23,9 +23,17 @@ from tests.support.redis_server import RedisProcess, free_port, start_redis_serv
 pytestmark = pytest.mark.timeout(180)
 
 
-def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def operator_env(tmp_path: Path) -> dict[str, str]:
+    """An operator's environment: no kvstore or Ray settings, the cluster record and any
+    secrets a secure start makes in the test's own directory (never ~/.ray/kvstore)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "RAY_"))}
     env[address.STATE_DIR_ENV] = str(tmp_path)
+    env["KVSTORE_SECURITY_SECRETS_DIR"] = str(tmp_path / "secrets")
+    return env
+
+
+def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = operator_env(tmp_path)
     return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], capture_output=True,
                           text=True, env=env, timeout=120)
 
@@ -143,8 +151,7 @@ _NO_PRECHECK = ("import sys; from kvstore.cluster import lifecycle; "
 
 @pytest.mark.timeout(300)
 def test_start_failing_in_an_actor_undoes_the_head_it_started(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "RAY_"))}
-    env[address.STATE_DIR_ENV] = str(tmp_path)
+    env = operator_env(tmp_path)
     url = f"redis://:hidden-pw@127.0.0.1:{free_port()}/0"
     proc = subprocess.run([sys.executable, "-c", _NO_PRECHECK, "start", "--redis", url],
                           capture_output=True, text=True, env=env, timeout=240)
