@@ -25,6 +25,18 @@ from tests.support.redis_server import RedisProcess, start_redis_server
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` skip where torch sees no CUDA device (CI, these CPU machines)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 def require_redis_server() -> None:
     """Skip (or, with KVSTORE_REQUIRE_REDIS=1, fail) when redis-server is not installed."""
     if shutil.which("redis-server") is not None:
