@@ -50,6 +50,11 @@ class Namespace:
     head_dim: int
     cache_salt: str = ""
     schema_version: int = SCHEMA_VERSION
+    #: The writer's arithmetic (device kind and capability, torch version, attention
+    #: implementation; ``workers.device.numerics_tag``): KV is bitwise reusable only by a
+    #: worker computing exactly as its writer did. ``""``: shared across hardware on purpose
+    #: (``worker.numerics: portable``), or a namespace made before the tag existed.
+    numerics: str = ""
     # Secrets, never encoded, sent or shown (docs/security.md): at most one. ``data_key``, the
     # cluster's data secret (security.data_key), is what the cluster's own workers and nodes
     # hold; ``tenant_key`` (kvstore.security.data_keys.tenant_key of this cache_salt) is what a
@@ -76,6 +81,8 @@ class Namespace:
             raise ConfigError("namespace model_fingerprint must not be empty")
         if not isinstance(self.cache_salt, str):
             raise ConfigError(f"namespace cache_salt must be a str, got {self.cache_salt!r}")
+        if not isinstance(self.numerics, str):
+            raise ConfigError(f"namespace numerics must be a str, got {self.numerics!r}")
         if self.data_key is not None and self.tenant_key is not None:
             raise ConfigError("give a namespace its data_key or its tenant_key, not both")
         if self.data_key is not None:
@@ -93,19 +100,22 @@ class Namespace:
         object.__setattr__(self, "_mac_key", mac)
 
     def encode(self) -> bytes:
-        """The canonical encoding: msgpack of the fields in the order docs/design.md §3.1 fixes."""
-        return msgpack.packb(
-            [
-                self.schema_version,
-                self.model_fingerprint,
-                self.dtype,
-                self.block_size,
-                self.num_layers,
-                self.num_kv_heads,
-                self.head_dim,
-                self.cache_salt,
-            ]
-        )
+        """The canonical encoding: msgpack of the fields in the order docs/design.md §3.1 fixes;
+        a numerics tag, when there is one, is appended as a ninth element (so a namespace
+        without one encodes, and roots, exactly as before the tag existed)."""
+        fields: list[object] = [
+            self.schema_version,
+            self.model_fingerprint,
+            self.dtype,
+            self.block_size,
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.cache_salt,
+        ]
+        if self.numerics:
+            fields.append(self.numerics)
+        return msgpack.packb(fields)
 
     @property
     def root(self) -> bytes:
@@ -159,6 +169,7 @@ class Namespace:
             "head_dim": self.head_dim,
             "cache_salt": self.cache_salt,
             "schema_version": self.schema_version,
+            "numerics": self.numerics,
         }
 
     @classmethod

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class NamespaceSpec(_message.Message):
-    __slots__ = ("schema_version", "model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "cache_salt")
+    __slots__ = ("schema_version", "model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "cache_salt", "numerics")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class NamespaceSpec(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     schema_version: int
     model_fingerprint: str
     dtype: str
@@ -24,7 +25,8 @@ class NamespaceSpec(_message.Message):
     num_kv_heads: int
     head_dim: int
     cache_salt: str
-    def __init__(self, schema_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    numerics: str
+    def __init__(self, schema_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., cache_salt: _Optional[str] = ..., numerics: _Optional[str] = ...) -> None: ...
 
 class PutChunk(_message.Message):
     __slots__ = ("namespace", "key", "total_nbytes", "offset", "data", "keys")

@@ -99,7 +99,7 @@ def describe_namespace(namespace: Namespace, model: str) -> dict[str, Any]:
             "model_fingerprint": namespace.model_fingerprint, "dtype": namespace.dtype,
             "block_size": namespace.block_size, "num_layers": namespace.num_layers,
             "num_kv_heads": namespace.num_kv_heads, "head_dim": namespace.head_dim,
-            "salt": salt_label(namespace.cache_salt)}
+            "salt": salt_label(namespace.cache_salt), "numerics": namespace.numerics}
 
 
 def report_worker(worker_id: str, info: dict[str, Any]) -> None:

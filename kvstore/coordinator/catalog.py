@@ -25,6 +25,8 @@ from kvstore.index.base import Index
 #: The descriptor fields a namespace report must carry (``describe_namespace`` writes them).
 NAMESPACE_FIELDS = ("root", "model", "model_fingerprint", "dtype", "block_size", "num_layers",
                     "num_kv_heads", "head_dim", "salt")
+#: Optional descriptor fields: the numerics tag ("" = portable) of workers that report one.
+OPTIONAL_NAMESPACE_FIELDS = ("numerics",)
 #: Namespaces are few (models x tenants); a table past this is a caller bug, not data.
 MAX_NAMESPACES = 1024
 
@@ -59,7 +61,8 @@ class NamespaceTable:
         with self._lock:
             if root not in self._by_root and len(self._by_root) >= MAX_NAMESPACES:
                 raise ValueError(f"more than {MAX_NAMESPACES} namespaces described")
-            self._by_root[root] = {f: desc[f] for f in NAMESPACE_FIELDS}
+            self._by_root[root] = {f: desc[f] for f in NAMESPACE_FIELDS
+                                   + tuple(f for f in OPTIONAL_NAMESPACE_FIELDS if f in desc)}
 
     def get(self, root_hex: str) -> dict[str, Any] | None:
         with self._lock:

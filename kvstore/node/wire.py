@@ -165,6 +165,7 @@ def namespace_from_spec(spec: pb.NamespaceSpec, data_key: bytes | None = None) -
         model_fingerprint=spec.model_fingerprint, dtype=spec.dtype, block_size=spec.block_size,
         num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
         cache_salt=spec.cache_salt, schema_version=spec.schema_version,
+        numerics=spec.numerics,
     )
 
 
@@ -174,6 +175,7 @@ def spec_from_namespace(ns: Namespace) -> pb.NamespaceSpec:
         schema_version=ns.schema_version, model_fingerprint=ns.model_fingerprint,
         dtype=ns.dtype, block_size=ns.block_size, num_layers=ns.num_layers,
         num_kv_heads=ns.num_kv_heads, head_dim=ns.head_dim, cache_salt=ns.cache_salt,
+        numerics=ns.numerics,
     )
 
 

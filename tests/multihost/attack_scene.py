@@ -145,7 +145,7 @@ def scene_on(kvstore_cluster: RayCluster, work_dir: Path, prompt_files: dict[str
     a_ns = {"schema_version": SCHEMA_VERSION, "model_fingerprint": d["model_fingerprint"],
             "dtype": d["dtype"], "block_size": d["block_size"], "num_layers": d["num_layers"],
             "num_kv_heads": d["num_kv_heads"], "head_dim": d["head_dim"],
-            "cache_salt": TENANT_A}
+            "cache_salt": TENANT_A, "numerics": d.get("numerics", "")}
     status = kvstore_status(cluster)
     ca = sec.ca.cert_pem
     hosts = {h.ip: h for h in cluster.net.hosts}

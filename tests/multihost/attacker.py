@@ -89,9 +89,11 @@ def outcome(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 def public_root(ns: dict[str, Any]) -> bytes:
     """sha256 of the canonical namespace encoding: the root anyone could compute before keyed
     roots (docs/design.md §3.1)."""
-    return hashlib.sha256(msgpack.packb([
-        ns["schema_version"], ns["model_fingerprint"], ns["dtype"], ns["block_size"],
-        ns["num_layers"], ns["num_kv_heads"], ns["head_dim"], ns["cache_salt"]])).digest()
+    fields = [ns["schema_version"], ns["model_fingerprint"], ns["dtype"], ns["block_size"],
+              ns["num_layers"], ns["num_kv_heads"], ns["head_dim"], ns["cache_salt"]]
+    if ns.get("numerics"):  # the writer's numerics tag, appended when there is one
+        fields.append(ns["numerics"])
+    return hashlib.sha256(msgpack.packb(fields)).digest()
 
 
 def chain(root: bytes, token_ids: list[int], block_size: int) -> list[tuple[bytes, bytes, bytes]]:
