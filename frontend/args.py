@@ -9,6 +9,8 @@ import argparse
 import importlib
 from typing import Any
 
+from workers.job_args import device_args
+
 
 def _run(args: argparse.Namespace) -> int:
     return int(importlib.import_module("frontend.launch").cmd_serve(args) or 0)
@@ -40,6 +42,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--chunk-tokens", type=int, help="prefill chunk (a multiple of block size)")
     p.add_argument("--seed", type=int, help="weights seed of a random preset")
     p.add_argument("--threads", type=int, help="torch threads per replica")
+    device_args(p)
     p.add_argument("--ready-file", metavar="PATH",
                    help="write the base URL here once the server answers (for scripts)")
     p.set_defaults(func=_run)

@@ -102,9 +102,11 @@ class PrefillServer(_ServeReplica):
         return self.prefill_worker.engine.hasher_for(cache_salt).namespace
 
     async def prefill(self, call: EngineCall) -> PrefillResult:
+        # The first token goes out at once: the blocks publish behind it, and the decode
+        # replica waits for them by key (stream's wait_for_blocks), not this call.
         return await self._run(call.request_id, lambda: self.prefill_worker.prefill(
             call.token_ids, call.request_id, call.sampling, use_cache=call.use_cache,
-            cache_salt=call.cache_salt))
+            cache_salt=call.cache_salt, wait_published=False))
 
 
 @serve.deployment(name="decode", ray_actor_options={"num_cpus": 0})
@@ -117,7 +119,8 @@ class DecodeServer(_ServeReplica):
         self.decode_worker = worker
 
     async def stream(self, call: EngineCall, first_token: int | None = None,
-                     tail: TailKV | None = None) -> AsyncIterator[dict[str, Any]]:
+                     tail: TailKV | None = None, wait_for_blocks: int = 0
+                     ) -> AsyncIterator[dict[str, Any]]:
         """``{"token_ids": [...]}`` as tokens come, then ``{"done": {...}}``.
 
         ``first_token=None`` generates here from scratch with the store bypassed (the
@@ -140,7 +143,7 @@ class DecodeServer(_ServeReplica):
                         "num_tokens": len(dec.output_token_ids), "misses": pre.misses}
             dec = w.decode(call.token_ids, first_token, call.request_id, tail, call.sampling,
                            use_cache=call.use_cache, cache_salt=call.cache_salt,
-                           on_token=on_token)
+                           on_token=on_token, wait_for_blocks=wait_for_blocks)
             return {"prompt_tokens": len(call.token_ids), "fetched_tokens": dec.fetched_tokens,
                     "num_tokens": len(dec.output_token_ids), "misses": dec.misses}
 

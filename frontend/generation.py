@@ -153,7 +153,7 @@ class Generator:
                 p.usage.cached_tokens = pre.cached_tokens
                 tokens = [pre.first_token]
                 stream = self.decode.options(stream=True).stream.remote(
-                    p.call, pre.first_token, pre.tail) \
+                    p.call, pre.first_token, pre.tail, pre.num_prefix_blocks) \
                     if p.max_tokens > 1 and pre.first_token not in p.stop_ids else None
             else:
                 tokens = []

@@ -35,7 +35,9 @@ READY_TIMEOUT_S = 300.0
 def make_config(args: argparse.Namespace) -> KVStoreConfig:
     """Defaults < --config < KVSTORE_* < flags."""
     worker = {"model": args.model, "seed": args.seed, "block_size": args.block_size,
-              "prefill_chunk_tokens": args.chunk_tokens, "num_threads": args.threads}
+              "prefill_chunk_tokens": args.chunk_tokens, "num_threads": args.threads,
+              "device": args.device, "attn_implementation": args.attn_implementation,
+              "dtype": args.dtype}
     serve = {"host": args.host, "port": args.port, "model_name": args.model_name,
              "prefill_replicas": args.prefill_replicas, "decode_replicas": args.decode_replicas}
     config = load_config(args.config, overrides={"worker": worker, "serve": serve})
@@ -106,13 +108,12 @@ def build_app(config: KVStoreConfig, tokenizer_path: str | None) -> Any:
 
 def check_model(config: KVStoreConfig, tokenizer_path: str | None) -> None:
     """Load the tokenizer and (for a directory) the model here: refusals come out now."""
-    from workers.model import PRESETS, load_model
+    from workers.model import PRESETS, load_worker_model
     from workers.tokenizer import tokenizer_for
 
     tokenizer_for(config.worker.model, tokenizer_path)
     if config.worker.model not in PRESETS:
-        load_model(config.worker.model, seed=config.worker.seed, dtype=config.worker.dtype,
-                   num_threads=None)
+        load_worker_model(config.worker, keep_threads=True)
 
 
 def _wait_ready(url: str, stop: threading.Event) -> None:

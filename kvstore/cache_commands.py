@@ -91,6 +91,11 @@ def add_prompt_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="weights seed of a random preset, as the workers")
     p.add_argument("--block-size", type=int, help="tokens per block (default: worker.block_size)")
     p.add_argument("--salt", help="the tenant's cache salt (default: worker.cache_salt)")
+    p.add_argument("--dtype", help="the workers' dtype (default: worker.dtype; auto is "
+                   "bfloat16 on a GPU worker, float32 on a CPU one)")
+    p.add_argument("--numerics", metavar="TAG",
+                   help="the workers' numerics tag as `kvstore status --wide` shows it, or "
+                   "portable (default: worker.numerics, computed for this machine)")
     p.add_argument("--tokenizer", metavar="PATH",
                    help="local tokenizer directory, as the workers (default: the model "
                    "directory's own; bytes for a preset)")
@@ -99,7 +104,8 @@ def add_prompt_args(p: argparse.ArgumentParser) -> None:
 def prompt_keys(args: argparse.Namespace) -> tuple[list[bytes], str]:
     """Keys of ``--prompts``/``--text`` (or the positional ones) and a line that says whence."""
     config = operator_config(args, {"model": args.model, "seed": args.seed,
-                                    "block_size": args.block_size, "cache_salt": args.salt})
+                                    "block_size": args.block_size, "cache_salt": args.salt,
+                                    "dtype": args.dtype, "numerics": args.numerics})
     if args.prompts is None and args.text is None:
         if not args.keys:
             raise ConfigError("name blocks: full keys (as `kvstore ls` prints), "
@@ -172,7 +178,8 @@ def namespace_root(args: argparse.Namespace) -> bytes:
 
         return worker_namespace(with_cluster_data_key(args, operator_config(args, {
             "model": args.model, "seed": args.seed, "block_size": args.block_size,
-            "cache_salt": args.salt}))).root
+            "cache_salt": args.salt, "dtype": args.dtype,
+            "numerics": args.numerics}))).root
     fields = {"model_fingerprint": args.model_fingerprint, "dtype": args.dtype,
               "block_size": args.block_size, "num_layers": args.num_layers,
               "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim}
@@ -185,8 +192,9 @@ def namespace_root(args: argparse.Namespace) -> bytes:
 
     # With the cluster's data key (security.data_key) roots are keyed, as the workers make them.
     data_key = parse_data_key(with_cluster_data_key(args, operator_config(args)).security.data_key)
+    numerics = "" if args.numerics in (None, "portable") else args.numerics
     return Namespace(cache_salt=args.salt or "", data_key=data_key,  # type: ignore[arg-type]
-                     **fields).root
+                     numerics=numerics, **fields).root
 
 
 def cmd_invalidate(args: argparse.Namespace) -> int:
@@ -306,4 +314,7 @@ def register(sub: Any) -> None:
     p.add_argument("--num-kv-heads", type=int, help="namespace field: KV heads per layer")
     p.add_argument("--head-dim", type=int, help="namespace field: size of one head")
     p.add_argument("--salt", help="namespace field: the tenant's cache salt (default none)")
+    p.add_argument("--numerics", metavar="TAG",
+                   help="namespace field: the workers' numerics tag (`kvstore status --wide`; "
+                   "none or portable: no tag); with --model: default worker.numerics")
     p.set_defaults(func=cmd_invalidate, keys=[])

@@ -257,6 +257,9 @@ class SecurityConfig:
 #: ``--no-cache``, at block granularity where the probe allows), ``block`` (any block boundary,
 #: approximate where the probe fails), ``chunk`` (whole chunks only: the previous policy).
 ReuseMode = Literal["exact", "block", "chunk"]
+#: What a publish does when its backlog is full: wait for room (the request waits) or drop
+#: the blocks (a later request recomputes them), counted by a metric either way.
+PublishWhenFull = Literal["wait", "drop"]
 
 
 @dataclass(slots=True)
@@ -265,7 +268,16 @@ class WorkerConfig:
 
     model: str = "tiny"
     seed: int = 0
-    dtype: str = "float32"
+    #: ``auto``: bfloat16 on an accelerator, float32 on the CPU (workers.device).
+    dtype: str = "auto"
+    #: ``auto``: the first CUDA device, else the CPU; or any torch device string.
+    device: str = "auto"
+    #: ``auto``: sdpa on an accelerator, eager on the CPU; or ``eager`` / ``sdpa``.
+    attn_implementation: str = "auto"
+    #: ``auto``: the namespace carries the writer's numerics tag (bitwise reuse only between
+    #: workers computing alike); ``portable``: no tag, blocks shared across hardware
+    #: (numerically close, not bitwise); any other string: that tag, given literally.
+    numerics: str = "auto"
     block_size: int = 16
     prefill_chunk_tokens: int = 256
     reuse: ReuseMode = "exact"
@@ -273,11 +285,33 @@ class WorkerConfig:
     cache_salt: str = ""
     max_new_tokens: int = 16
     request_timeout_s: float = 300.0
+    #: Blocks waiting to be published (copied off the device, encoded, put) at most; past it
+    #: ``publish_when_full`` decides. 0 publishes on the request's own thread (no backlog).
+    publish_backlog_blocks: int = 8192
+    publish_when_full: PublishWhenFull = "wait"
+    #: How long a decode waits for a prefill's queued blocks to become visible before it
+    #: recomputes the ones still missing.
+    publish_wait_s: float = 10.0
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, "worker.block_size must be > 0")
-        _check(self.dtype in WORKER_DTYPES,
-               f"worker.dtype {self.dtype!r} is not supported; use one of {list(WORKER_DTYPES)}")
+        _check(self.dtype == "auto" or self.dtype in WORKER_DTYPES,
+               f"worker.dtype {self.dtype!r} is not supported; use auto or one of "
+               f"{list(WORKER_DTYPES)}")
+        _check(self.attn_implementation in ("auto", "eager", "sdpa"),
+               f"worker.attn_implementation must be auto, eager or sdpa, got "
+               f"{self.attn_implementation!r}")
+        _check(isinstance(self.device, str) and bool(self.device.strip()),
+               "worker.device must be auto or a torch device string such as cpu, cuda:0")
+        _check(isinstance(self.numerics, str) and bool(self.numerics),
+               "worker.numerics must be auto, portable or a numerics tag (as kvstore status "
+               "shows it)")
+        _check(self.publish_wait_s >= 0, "worker.publish_wait_s must be >= 0")
+        _check(self.publish_backlog_blocks >= 0,
+               "worker.publish_backlog_blocks must be >= 0 (0: publish on the request's thread)")
+        _check(self.publish_when_full in get_args(PublishWhenFull),
+               f"worker.publish_when_full must be one of {list(get_args(PublishWhenFull))}, "
+               f"got {self.publish_when_full!r}")
         _check(self.prefill_chunk_tokens > 0 and self.prefill_chunk_tokens % self.block_size == 0,
                f"worker.prefill_chunk_tokens ({self.prefill_chunk_tokens}) must be a positive "
                f"multiple of worker.block_size ({self.block_size})")

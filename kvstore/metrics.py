@@ -116,6 +116,22 @@ REUSE_POLICY = Gauge("kvstore_worker_reuse_policy",
                      "A worker's reuse policy in force (1): where hits resume, the smallest "
                      "piece a chunk is computed in, and whether reuse is bitwise",
                      ["mode", "resume", "min_piece", "exact"], registry=REGISTRY)
+PUBLISH_BACKLOG = Gauge("kvstore_worker_publish_backlog_blocks",
+                        "Blocks a worker has computed and not yet published (copied off the "
+                        "device, encoded, put)", registry=REGISTRY)
+PUBLISH_BLOCKS = Counter("kvstore_worker_publish_blocks",
+                         "Blocks a worker's background publisher finished, by outcome",
+                         ["outcome"], registry=REGISTRY)
+PUBLISH_WAIT = Counter("kvstore_worker_publish_wait_seconds",
+                       "Seconds requests waited for room in a full publish backlog "
+                       "(worker.publish_when_full: wait)", registry=REGISTRY)
+PUBLISH_LATENCY = Histogram("kvstore_worker_publish_seconds",
+                            "From a prefill's blocks being queued to their put returning",
+                            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+                            registry=REGISTRY)
+#: Outcomes of a background publish: put, dropped (backlog full, publish_when_full: drop),
+#: failed (the store refused or was unreachable).
+PUBLISH_OUTCOMES = ("published", "dropped", "failed")
 
 # Every fixed label value starts at zero, so a scrape shows 0 rather than no series at all
 # (rate() and absent-series alerts then work from the first scrape).
@@ -135,6 +151,8 @@ for _kind in ("added", "removed"):
     COORD_DRIFT.labels(kind=_kind)
 for _refused in BULK_REFUSALS:
     BULK_REFUSED.labels(reason=_refused)
+for _outcome in PUBLISH_OUTCOMES:
+    PUBLISH_BLOCKS.labels(outcome=_outcome)
 
 _servers: list[WSGIServer] = []
 
@@ -268,6 +286,13 @@ def observe_reuse_policy(policy: dict[str, object]) -> None:
     REUSE_POLICY.labels(mode=str(policy["mode"]), resume=str(policy["resume"]),
                         min_piece=str(sizes[0]) if isinstance(sizes, list) and sizes else "any",
                         exact=str(policy["exact"]).lower()).set(1)
+
+
+def record_publish(outcome: str, num_blocks: int, seconds: float | None = None) -> None:
+    """A background publish finished (``PUBLISH_OUTCOMES``), after ``seconds`` in the backlog."""
+    PUBLISH_BLOCKS.labels(outcome=outcome).inc(num_blocks)
+    if seconds is not None:
+        PUBLISH_LATENCY.observe(seconds)
 
 
 # -- serving ------------------------------------------------------------------------------------

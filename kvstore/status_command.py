@@ -122,24 +122,38 @@ def security_line(sec: dict[str, Any]) -> str:
     return line
 
 
+def _exactness(w: dict[str, Any]) -> str:
+    """``yes`` (bitwise equal to --no-cache), ``close`` (portable numerics: blocks from other
+    hardware, numerically close), or ``no`` (an approximate reuse policy)."""
+    if not (w.get("reuse") or {}).get("exact"):
+        return "no"
+    return "close" if w.get("numerics") == "" else "yes"
+
+
 def _print_workers(console: Any, workers: list[dict[str, Any]], *, wide: bool) -> None:
     if not workers:
         return
     columns = ["worker", "node id", "model", "reuse", "exact"]
     if wide:
-        columns += ["attention", "resume at", "smallest piece", "namespace"]
+        columns += ["device", "attention", "resume at", "smallest piece", "numerics",
+                    "namespace"]
     rows = []
     for w in workers:
         reuse = w.get("reuse") or {}
         row = [str(w.get("worker_id")), str(w.get("node_id", ""))[:None if wide else SHORT_ID],
-               f"{w.get('model')} {w.get('dtype')}", str(reuse.get("mode")),
-               "yes" if reuse.get("exact") else "no"]
+               f"{w.get('model')} {w.get('dtype')}", str(reuse.get("mode")), _exactness(w)]
         if wide:
-            row += [str(w.get("attn")), f"{reuse.get('resume')} boundaries",
+            row += [str(w.get("device", "-")), str(w.get("attn")),
+                    f"{reuse.get('resume')} boundaries",
                     str((reuse.get("piece_sizes") or ["any"])[0]),
+                    str(w.get("numerics", "-")) or "portable",
                     str((w.get("namespace") or {}).get("root", "-"))]
         rows.append(row)
     console.print(_table("workers (exact = bitwise equal to --no-cache)", columns, rows))
+    if any(w.get("numerics") == "" for w in workers):
+        console.print("[yellow]numerics: portable (worker.numerics) — blocks are shared across "
+                      "hardware and attention implementations; outputs are numerically close "
+                      "to --no-cache, not bitwise[/yellow]")
 
 
 def cmd_drain(args: argparse.Namespace) -> int:

@@ -196,8 +196,8 @@ def test_unknown_setting_and_failed_check_name_file_and_line(tmp_path):
 @pytest.mark.parametrize("dtype", ["int8", "float64"])
 def test_worker_dtype_accepts_only_what_the_model_loader_runs(dtype):
     """int8 is a namespace dtype but not a model dtype: refused when settings load."""
-    with pytest.raises(ConfigError, match=r"worker.dtype .* use one of \['float32', 'float16', "
-                                          r"'bfloat16'\]"):
+    with pytest.raises(ConfigError, match=r"worker.dtype .* use auto or one of \['float32', "
+                                          r"'float16', 'bfloat16'\]"):
         WorkerConfig(dtype=dtype)
 
 
@@ -208,6 +208,6 @@ def test_documented_worker_dtypes_are_the_accepted_ones():
     doc = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     row = next(line for line in doc.splitlines() if line.startswith("| `dtype` | `KVSTORE_WORKER"))
     accepted = row.split("|")[4].split("(")[0]  # before "(anything else ... is rejected)"
-    assert sorted(re.findall(r"`(\w+)`", accepted)) == sorted(WORKER_DTYPES)
+    assert sorted(re.findall(r"`(\w+)`", accepted)) == sorted(("auto", *WORKER_DTYPES))
     for dtype in WORKER_DTYPES:
         WorkerConfig(dtype=dtype)

@@ -21,11 +21,13 @@ class DecodeWorker(Replica):
                tail: TailKV | None = None, sampling: SamplingParams | None = None,
                use_cache: bool = True, return_logits: bool = False,
                cache_salt: str | None = None,
-               on_token: Callable[[int], None] | None = None) -> DecodeResult:
+               on_token: Callable[[int], None] | None = None,
+               wait_for_blocks: int = 0) -> DecodeResult:
+        """Fetch the prompt's blocks and generate (see ``Engine.decode``)."""
         return self.engine.decode(token_ids, first_token, tail=tail, request_id=request_id,
                                   sampling=sampling, use_cache=use_cache,
                                   return_logits=return_logits, cache_salt=cache_salt,
-                                  on_token=on_token)
+                                  on_token=on_token, wait_for_blocks=wait_for_blocks)
 
     def generate(self, token_ids: TokenIds, request_id: str,
                  sampling: SamplingParams | None = None, use_cache: bool = True,

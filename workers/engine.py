@@ -37,6 +37,7 @@ from kvstore.errors import ConfigError, KVStoreError, RequestCancelled
 from kvstore.keys import BlockHasher, Namespace
 from workers.model import CausalLM
 from workers.paged_kv import gather_blocks, scatter_blocks
+from workers.publish import BackgroundPublisher, PublishBatch
 from workers.reuse import ReusePolicy, choose_policy
 from workers.sampling import SamplingParams, pick_token
 from workers.tenants import TenantHashers
@@ -71,6 +72,10 @@ class PrefillResult:
     #: Prompt tokens in cached blocks that could not be reused (cut at a chunk boundary, the
     #: block holding the last token, a failed fetch): what finer reuse would still save.
     unreused_shared_tokens: int = 0
+    #: Leading blocks of the prompt that are cached or queued for publishing when the result
+    #: returns: a decode elsewhere waits for that many (``Engine.decode(wait_for_blocks=)``).
+    #: The background publish may still be running (``Engine.wait_published``).
+    num_prefix_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -150,6 +155,28 @@ class Engine:
         self._forward_lock = threading.Lock()
         self._cancelled: set[str] = set()
         self._active: dict[str, DynamicCache | None] = {}
+        self.device = model.device
+        # Publishing runs behind the request (workers.publish) unless the backlog is 0.
+        self.publisher = BackgroundPublisher(
+            store, max_backlog_blocks=config.publish_backlog_blocks,
+            when_full=config.publish_when_full) \
+            if store is not None and config.publish_backlog_blocks > 0 else None
+
+    def wait_published(self, request_id: str | None = None, timeout: float | None = None
+                       ) -> None:
+        """Wait until a request's blocks (``None``: every queued block) are put in the store."""
+        if self.publisher is None:
+            return
+        if request_id is None:
+            if not self.publisher.flush(timeout):
+                raise TimeoutError(f"the publish backlog did not drain in {timeout}s")
+        else:
+            self.publisher.wait(request_id, timeout)
+
+    def close(self) -> None:
+        """Publish what is queued, then stop the publisher (the store stays the caller's)."""
+        if self.publisher is not None:
+            self.publisher.close()
 
     def hasher_for(self, cache_salt: str | None) -> BlockHasher:
         """The block hasher of a tenant: ``None`` is the configured ``worker.cache_salt``.
@@ -221,21 +248,47 @@ class Engine:
         fetch = _Fetch()
         if num_blocks == 0 or self.store is None:
             return fetch
-        try:
-            results = self.store.batch_get(
-                namespace, keys[:num_blocks],
-                [self._block_tokens(tokens, i) for i in range(num_blocks)])
-        except KVStoreError as exc:  # the store is a cache: losing it means recomputing
-            fetch.misses.append(f"{MISS_NODE_UNAVAILABLE}: {exc}")
-            return fetch
-        for r in results:
+        # Blocks this engine computed and has not finished publishing: already on the device.
+        pending = self.publisher.pending(namespace, list(keys[:num_blocks])) \
+            if self.publisher is not None else {}
+        wanted = [i for i in range(num_blocks) if i not in pending]
+        fetched: dict[int, FetchedBlock | Miss] = {}
+        if wanted:
+            try:
+                results = self.store.batch_get(
+                    namespace, [keys[i] for i in wanted],
+                    [self._block_tokens(tokens, i) for i in wanted],
+                    **({} if self.device.type == "cpu" else {"device": self.device}))
+            except KVStoreError as exc:  # the store is a cache: losing it means recomputing
+                fetch.misses.append(f"{MISS_NODE_UNAVAILABLE}: {exc}")
+                results = []
+            fetched = dict(zip(wanted, results, strict=False))
+        for i in range(num_blocks):
+            if i in pending:
+                fetch.payloads.append(pending[i])
+                fetch.nodes.append(self.store.node_id)
+                continue
+            r = fetched.get(i)
             if not isinstance(r, FetchedBlock):
-                fetch.misses.append(r.reason)
+                if r is not None:
+                    fetch.misses.append(r.reason)
                 break
             fetch.payloads.append(r.payload)
             fetch.nodes.append(r.node_id)
             fetch.bytes_fetched += r.payload.numel() * r.payload.element_size()
         return fetch
+
+    def _wait_visible(self, namespace: Namespace, keys: Sequence[bytes], deadline: float
+                      ) -> None:
+        """Wait (bounded) until the leading ``keys`` are all in the store: a prefill elsewhere
+        said it queued them, and its background publish may still be running."""
+        assert self.store is not None
+        pause = 0.002
+        while time.monotonic() < deadline:
+            if self._lookup(namespace, keys) >= len(keys):
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     def resume_point(self, cached: int, num_tokens: int) -> int:
         """Where computing starts when the KV of the first ``cached`` tokens (whole blocks) is at
@@ -255,11 +308,18 @@ class Engine:
             start = (chunk_end - size) // bs * bs
 
     def _lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
+        """The leading blocks of ``keys`` in the store, or still queued by our publisher."""
         assert self.store is not None
         try:
-            return self.store.lookup_prefix(namespace, keys).num_blocks
+            hit = self.store.lookup_prefix(namespace, keys).num_blocks
         except KVStoreError:  # an unreachable index is a cold start, not a failed request
-            return 0
+            hit = 0
+        if self.publisher is not None and hit < len(keys):
+            base = hit
+            pending = self.publisher.pending(namespace, list(keys[base:]))
+            while hit < len(keys) and hit - base in pending:
+                hit += 1
+        return hit
 
     def _run_chunks(self, tokens: list[int], start: int, cache: DynamicCache,
                     request_id: str, deadline: float) -> torch.Tensor | None:
@@ -335,25 +395,22 @@ class Engine:
         first = pick_token(logits, sampling, 0)
         ttft = time.perf_counter() - t0
         published_end = self.publish_end(n)
-        num_new = 0
+        num_new, prefix_blocks = 0, 0
         if use_store and self.store is not None:
             # Blocks already cached past the resume point are skipped, unless a fetch failed:
             # then everything from the resume point is re-offered to replace the bad copy.
             first_new = resume // bs if fetch.misses else max(resume // bs,
                                                               min(hit, published_end // bs))
-            puts = [BlockPut(keys[i], keys[i - 1] if i else namespace.root,
-                             self._block_tokens(tokens, i), payload)
-                     for i, payload in enumerate(
-                         self.model.export_blocks(cache, first_new * bs,
-                                                  published_end // bs - first_new, bs),
-                         start=first_new)]
             try:
-                if puts:
-                    self.store.batch_put(namespace, puts)
-                num_new = len(puts)
+                num_new = self._publish(request_id, namespace, tokens, keys, cache, first_new,
+                                        published_end // bs)
+                prefix_blocks = published_end // bs if num_new or first_new * bs == \
+                    published_end else first_new
             except KVStoreError as exc:  # this request is served; later ones recompute
                 fetch.misses.append(f"publish failed: {exc}")
-        tail = (TailKV(published_end, self.model.export_kv(cache, published_end, n))
+                prefix_blocks = first_new
+        # The private tail travels to decode on the host (it may be another process and device).
+        tail = (TailKV(published_end, self.model.export_kv(cache, published_end, n).to("cpu"))
                 if published_end < n else None)
         t_end = time.perf_counter()
         result = PrefillResult(
@@ -364,9 +421,37 @@ class Engine:
             timings={"fetch_s": t_fetch - t0, "compute_s": ttft - (t_fetch - t0),
                      "publish_s": t_end - t0 - ttft},
             misses=fetch.misses, tail=tail, logits=logits,
-            unreused_shared_tokens=max(0, hit * bs - resume))
+            unreused_shared_tokens=max(0, hit * bs - resume), num_prefix_blocks=prefix_blocks)
         metrics.record_prefill_tokens(resume, result.unreused_shared_tokens, n - resume)
         return result, cache
+
+    def _publish(self, request_id: str, namespace: Namespace, tokens: list[int],
+                 keys: Sequence[bytes], cache: DynamicCache, first: int, end: int) -> int:
+        """Publish blocks ``[first, end)`` of the prompt; returns how many were accepted.
+
+        The new blocks are copied block-major on the model's device (one device copy) and,
+        with a publisher, queued behind a stream event: the request goes on at once.
+        Without one (``worker.publish_backlog_blocks: 0``) they are put here and now.
+        """
+        assert self.store is not None
+        if end <= first:
+            return 0
+        bs = self.block_size
+        blocks = self.model.export_block_major(cache, first * bs, end - first, bs)
+        batch = PublishBatch(
+            request_id, namespace, [bytes(k) for k in keys[first:end]],
+            [bytes(keys[i - 1]) if i else namespace.root for i in range(first, end)],
+            [self._block_tokens(tokens, i) for i in range(first, end)], blocks)
+        if self.publisher is None:
+            self.store.batch_put(namespace, [
+                BlockPut(k, p, t, blocks[i].to("cpu"))
+                for i, (k, p, t) in enumerate(zip(batch.keys, batch.parents, batch.tokens,
+                                                  strict=True))])
+            return end - first
+        if blocks.device.type == "cuda":
+            batch.ready = torch.cuda.Event()
+            batch.ready.record()
+        return self.publisher.submit(batch)
 
     def prefill(self, token_ids: TokenIds, *, request_id: str = "prefill",
                 sampling: SamplingParams | None = None, use_cache: bool = True,
@@ -377,8 +462,11 @@ class Engine:
         """
         deadline = self._begin(request_id)
         try:
-            result, _ = self._prefill(token_ids, sampling or SamplingParams(), request_id,
-                                      use_cache, deadline, cache_salt)
+            sampling = sampling or SamplingParams()
+            result, _ = self._prefill(token_ids, sampling, request_id, use_cache, deadline,
+                                      cache_salt)
+            if sampling.max_new_tokens == 0:  # a warm-up: publishing is its whole job
+                self.wait_published(request_id)
         finally:
             self._end(request_id)
         if not return_logits:
@@ -392,8 +480,13 @@ class Engine:
                request_id: str = "decode", sampling: SamplingParams | None = None,
                use_cache: bool = True, return_logits: bool = False,
                cache_salt: str | None = None,
-               on_token: Callable[[int], None] | None = None) -> DecodeResult:
+               on_token: Callable[[int], None] | None = None,
+               wait_for_blocks: int = 0) -> DecodeResult:
         """Fetch the prompt's KV, recompute what is missing, and generate after ``first_token``.
+
+        ``wait_for_blocks``: the prefill's ``num_prefix_blocks``; its background publish may
+        still be running, so the fetch first waits (up to ``worker.publish_wait_s``) for that
+        many leading blocks to be visible, then recomputes whatever is still missing.
 
         ``first_token=None`` (a decode job without a prefill in front) recomputes the last
         chunk at least, and picks the first token from its logits. ``cache_salt`` is the
@@ -410,6 +503,9 @@ class Engine:
                 min(self.publish_end(n), (n - 1) // bs * bs)
             hasher = self.hasher_for(cache_salt)
             keys = hasher.block_keys(tokens[:whole])
+            if use_cache and wait_for_blocks and self.store is not None:
+                self._wait_visible(hasher.namespace, keys[:wait_for_blocks],
+                                   time.monotonic() + self.config.publish_wait_s)
             fetch = self._fetch(hasher.namespace, tokens, keys, len(keys) if use_cache else 0)
             if not (tail is not None and len(fetch.payloads) * bs == whole == tail.start):
                 fetch.keep(self.resume_point(len(fetch.payloads) * bs, n) // bs)  # must run
@@ -428,7 +524,7 @@ class Engine:
             use_tail = tail is not None and resume == whole and tail.start == whole
             if use_tail:
                 assert tail is not None
-                kv = tail.kv
+                kv = tail.kv.to(self.device)
                 tail_k = [kv[layer, 0] for layer in range(kv.shape[0])]
                 tail_v = [kv[layer, 1] for layer in range(kv.shape[0])]
                 keys_kv = [torch.cat(p) for p in zip(keys_kv, tail_k, strict=True)] \
@@ -470,6 +566,8 @@ class Engine:
         try:
             pre, cache = self._prefill(token_ids, sampling, request_id, use_cache, deadline,
                                        cache_salt)
+            if sampling.max_new_tokens == 0:  # a warm-up: publishing is its whole job
+                self.wait_published(request_id)
             if on_token is not None and sampling.max_new_tokens:
                 on_token(pre.first_token)  # streamed at its time to first token
             t0 = time.perf_counter()

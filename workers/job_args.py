@@ -53,10 +53,23 @@ def _common(p: argparse.ArgumentParser, *, prompts: bool = True) -> None:
     p.add_argument("--chunk-tokens", type=int, help="prefill chunk (a multiple of block size)")
     p.add_argument("--salt", help="tenant cache salt")
     p.add_argument("--threads", type=int, help="torch threads per replica")
+    device_args(p)
     p.add_argument("--tokenizer", metavar="PATH", help="local tokenizer dir (default: the --model "
                    "directory's own; bytes for presets)")
     p.add_argument("--json", action="store_true", help="JSON lines on stdout")
     p.add_argument("--output", metavar="PATH", help="write results as JSONL")
+
+
+def device_args(p: argparse.ArgumentParser) -> None:
+    """Where the model runs and how it attends (every job command, the demo, serve)."""
+    p.add_argument("--device", help="torch device of the replicas' model and KV: auto (the "
+                   "first GPU, else cpu; default: worker.device), cpu, cuda:N, npu:N")
+    p.add_argument("--attn-implementation", choices=["auto", "eager", "sdpa"],
+                   help="attention: auto (sdpa on a GPU, eager on the CPU; default: "
+                   "worker.attn_implementation), eager or sdpa")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="model and KV dtype: auto (bfloat16 on a GPU, float32 on the CPU; "
+                   "default: worker.dtype)")
 
 
 def _placement(p: argparse.ArgumentParser) -> None:

@@ -39,6 +39,9 @@ def make_config(args: argparse.Namespace) -> KVStoreConfig:
     worker = {"model": args.model or getattr(args, "model_default", None), "seed": args.seed,
               "block_size": args.block_size, "prefill_chunk_tokens": args.chunk_tokens,
               "cache_salt": args.salt, "num_threads": args.threads,
+              "device": getattr(args, "device", None),
+              "attn_implementation": getattr(args, "attn_implementation", None),
+              "dtype": getattr(args, "dtype", None),
               # ``is None``, not ``or``: 0 is a warm-up (prefill and publish only), not "unset".
               "max_new_tokens": (args.max_new_tokens if args.max_new_tokens is not None
                                  else getattr(args, "max_new_default", None))}

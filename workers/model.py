@@ -15,7 +15,6 @@ over keys padded to the chunk's end.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -31,9 +30,12 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 
+from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError
 from kvstore.keys import DTYPES, Namespace
 from workers.attention import padded_implementation
+from workers.device import WorkerDevice, numerics_tag, resolve_worker
+from workers.fingerprint import model_fingerprint
 
 ATTN_IMPLEMENTATION = "eager"
 
@@ -47,31 +49,6 @@ PRESETS: dict[str, dict[str, Any]] = {
                   max_position_embeddings=8192, initializer_range=0.02),
 }
 
-# Config fields that name where or how a model was loaded, not what it computes.
-# (save_pretrained adds "architectures" to the config it saves, so it cannot count either.)
-_VOLATILE_CONFIG_KEYS = ("_name_or_path", "architectures", "transformers_version",
-                         "_attn_implementation", "_attn_implementation_internal", "_commit_hash",
-                         "dtype", "torch_dtype")
-
-
-def weights_digest(model: torch.nn.Module) -> str:
-    """sha256 over every parameter and buffer: name, dtype, shape and bytes, in name order."""
-    h = hashlib.sha256()
-    state = model.state_dict()
-    for name in sorted(state):
-        tensor = state[name].detach().to("cpu").contiguous()
-        h.update(name.encode())
-        h.update(f"{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        h.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return h.hexdigest()
-
-
-def config_digest(config: Any) -> str:
-    """sha256 of the config's canonical JSON, without load-time fields."""
-    fields = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
-    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
-
-
 @dataclass(slots=True)
 class ModelShape:
     """What a KV block of this model looks like."""
@@ -83,10 +60,16 @@ class ModelShape:
 
 
 class CausalLM:
-    """A loaded causal LM with its fingerprint; runs chunks on a ``DynamicCache``."""
+    """A loaded causal LM with its fingerprint; runs chunks on a ``DynamicCache``.
+
+    Everything runs on the model's device (``self.device``): its input ids, its caches, the
+    K/V given to ``cache_from_kv`` and exported by ``export_kv``. Logits come back on the CPU,
+    where tokens are picked.
+    """
 
     def __init__(self, model: torch.nn.Module, dtype: str, name: str,
-                 attn_implementation: str = ATTN_IMPLEMENTATION) -> None:
+                 attn_implementation: str = ATTN_IMPLEMENTATION, numerics: str = "auto"
+                 ) -> None:
         # transformers' own typing of models and configs is loose; Any keeps mypy honest here.
         self.model: Any = model.eval()
         cfg: Any = model.config
@@ -95,6 +78,9 @@ class CausalLM:
         self.attn_implementation = attn_implementation
         self.dtype = dtype
         self.name = name
+        self.device: torch.device = next(model.parameters()).device
+        #: The namespace's numerics tag (``workers.device``): "" when shared across hardware.
+        self.numerics = numerics_tag(self.device, attn_implementation, numerics)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.shape = ModelShape(cfg.num_hidden_layers,
                                 cfg.num_key_value_heads or cfg.num_attention_heads,
@@ -109,9 +95,8 @@ class CausalLM:
                               "(config layer_types); kvstore blocks need full attention in "
                               "every layer")
         self._check_cache_layout()
-        # Computed once at load: hashing the weights is the costly part of the fingerprint.
-        self.fingerprint = hashlib.sha256(
-            (config_digest(cfg) + weights_digest(model)).encode()).hexdigest()
+        # Computed once at load, on the weights' device (workers.fingerprint).
+        self.fingerprint = model_fingerprint(model)
 
     def _check_cache_layout(self) -> None:
         """Refuse a model whose cache is not one plain ``[1, H, T, D]`` K and V per layer.
@@ -155,14 +140,15 @@ class CausalLM:
         keyed (docs/design.md §3.1)."""
         return Namespace(self.fingerprint, self.dtype, block_size, self.shape.num_layers,
                          self.shape.num_kv_heads, self.shape.head_dim, cache_salt,
-                         data_key=data_key, tenant_key=tenant_key)
+                         numerics=self.numerics, data_key=data_key, tenant_key=tenant_key)
 
     def new_cache(self) -> DynamicCache:
         """An empty cache."""
         return DynamicCache(config=self.config)
 
     def cache_from_kv(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
-        """A cache holding given per-layer K/V, each ``[T, H, D]`` (token-major, as gathered)."""
+        """A cache holding given per-layer K/V, each ``[T, H, D]`` (token-major, as gathered),
+        on the model's device."""
         data = [(k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0))
                 for k, v in zip(keys, values, strict=True)]
         # DynamicLayer.update concatenates onto an empty tensor, so the cache owns a fresh,
@@ -186,11 +172,15 @@ class CausalLM:
             ids += [0] * (pad_rows_to - num_real)
             keep = torch.tensor([num_real - 1])
         extra = {} if pad_keys_to is None else {"kv_pad_to": pad_keys_to}
-        out = self.model(input_ids=torch.tensor([ids], dtype=torch.long), past_key_values=cache,
+        input_ids = torch.tensor([ids], dtype=torch.long).to(self.device, non_blocking=True)
+        if isinstance(keep, torch.Tensor):
+            keep = keep.to(self.device, non_blocking=True)
+        out = self.model(input_ids=input_ids, past_key_values=cache,
                          use_cache=True, logits_to_keep=keep, **extra)
         if len(ids) > num_real:
             cache.crop(num_real - len(ids))
-        return out.logits[0, -1].float()
+        # Tokens are picked on the host: one small copy per step, the step's only sync.
+        return out.logits[0, -1].float().to("cpu")
 
     @staticmethod
     def cache_kv(cache: DynamicCache, layer: int, start: int, end: int
@@ -206,6 +196,21 @@ class CausalLM:
                      for layer in range(self.shape.num_layers)]
         return torch.stack(per_layer).contiguous()
 
+    def export_block_major(self, cache: DynamicCache, start: int, num_blocks: int,
+                           block_size: int) -> torch.Tensor:
+        """``num_blocks`` full blocks from token ``start`` as one block-major
+        ``[num_blocks, L, 2, bs, H, D]`` tensor on the model's device (one copy per layer):
+        block ``i`` is ``out[i]``, contiguous, as the store holds it."""
+        s = self.shape
+        out = torch.empty((num_blocks, s.num_layers, 2, block_size, s.num_kv_heads, s.head_dim),
+                          dtype=DTYPES[self.dtype], device=self.device)
+        end = start + num_blocks * block_size
+        for layer in range(s.num_layers):
+            k, v = self.cache_kv(cache, layer, start, end)
+            out[:, layer, 0].copy_(k.reshape(num_blocks, block_size, *k.shape[1:]))
+            out[:, layer, 1].copy_(v.reshape(num_blocks, block_size, *v.shape[1:]))
+        return out
+
     def export_blocks(self, cache: DynamicCache, start: int, num_blocks: int,
                       block_size: int) -> list[torch.Tensor]:
         """``num_blocks`` full blocks from token ``start``, each ``[L, 2, bs, H, D]``."""
@@ -214,23 +219,60 @@ class CausalLM:
                 for i in range(num_blocks)]
 
 
-def _random_model(preset: str, seed: int, dtype: torch.dtype) -> torch.nn.Module:
+def _random_model(preset: str, seed: int, dtype: torch.dtype, device: torch.device
+                  ) -> torch.nn.Module:
+    """A preset with random weights from ``seed``, built where it will run.
+
+    On the CPU it is built in float32 and cast (the weights every CPU test was written
+    against); elsewhere it is built directly on the device in its dtype: an 8B model then takes
+    well under a second instead of minutes of CPU initialisation and a host-to-device copy.
+    """
     config = LlamaConfig(**PRESETS[preset])
     # A forked RNG: loading a model must not disturb the caller's random stream.
-    with torch.random.fork_rng(devices=[]):
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        model: Any = LlamaForCausalLM(config)
-    return model.to(dtype)
+        if device.type == "cpu":
+            model: Any = LlamaForCausalLM(config)
+            return model.to(dtype)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(previous)
+    return model.to(device=device, dtype=dtype)
 
 
-def load_model(spec: str, *, seed: int = 0, dtype: str = "float32",
-               num_threads: int | None = 1,
-               attn_implementation: str = ATTN_IMPLEMENTATION) -> CausalLM:
+def load_model(spec: str, *, seed: int = 0, dtype: str = "auto",
+               num_threads: int | None = 1, attn_implementation: str = "auto",
+               device: str = "auto", numerics: str = "auto") -> CausalLM:
     """A preset name (``tiny``, ``small``: random weights from ``seed``) or a weights directory.
 
-    ``num_threads`` fixes torch's intra-op thread count for this process (None leaves it).
-    ``attn_implementation``: ``eager`` (default) or ``sdpa``.
+    ``device``, ``dtype`` and ``attn_implementation`` say ``auto`` by default: the first GPU
+    with bfloat16 and sdpa where there is one, else the CPU with float32 and eager
+    (``workers.device``). ``num_threads`` fixes torch's intra-op thread count for this process
+    (None leaves it). ``numerics``: ``worker.numerics`` (the namespace's numerics tag).
     """
+    where = resolve_worker(device, dtype, attn_implementation)
+    return _load(spec, seed, where, num_threads, numerics)
+
+
+def load_worker_model(wc: WorkerConfig, *, keep_threads: bool = False) -> CausalLM:
+    """The model a worker with settings ``wc`` runs: its device, dtype, attention, numerics.
+
+    ``keep_threads`` leaves torch's thread count as it is (a front end checking a model).
+    """
+    return load_model(wc.model, seed=wc.seed, dtype=wc.dtype,
+                      num_threads=None if keep_threads else wc.num_threads,
+                      attn_implementation=wc.attn_implementation, device=wc.device,
+                      numerics=wc.numerics)
+
+
+def _load(spec: str, seed: int, where: WorkerDevice, num_threads: int | None,
+          numerics: str) -> CausalLM:
+    attn_implementation, dtype = where.attn_implementation, where.dtype
     padded_implementation(attn_implementation)  # refuse an unknown one before loading
     if dtype not in DTYPES or dtype == "int8":
         raise ConfigError(f"model dtype {dtype!r} is not supported; use float32, float16 or "
@@ -241,7 +283,8 @@ def load_model(spec: str, *, seed: int = 0, dtype: str = "float32",
         torch.set_num_threads(num_threads)
     torch_dtype = DTYPES[dtype]
     if spec in PRESETS:
-        return CausalLM(_random_model(spec, seed, torch_dtype), dtype, spec, attn_implementation)
+        return CausalLM(_random_model(spec, seed, torch_dtype, where.device), dtype, spec,
+                        attn_implementation, numerics)
     if not os.path.isdir(spec):
         raise ConfigError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a "
                           "local weights directory (with config.json and *.safetensors)")
@@ -251,7 +294,8 @@ def load_model(spec: str, *, seed: int = 0, dtype: str = "float32",
                 attn_implementation), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load model from {spec!r}: {exc}") from exc
-    return CausalLM(model, dtype, os.path.basename(os.path.normpath(spec)), attn_implementation)
+    return CausalLM(model.to(where.device), dtype, os.path.basename(os.path.normpath(spec)),
+                    attn_implementation, numerics)
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:

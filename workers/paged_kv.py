@@ -3,6 +3,8 @@
 Prefill writes the blocks it fetched into the request's paged KV with ``kv_cache_scatter``;
 decode places them in a block-major pool and gathers contiguous K/V with ``paged_cache_load``.
 Both return per-layer ``[T, H, D]`` tensors that ``CausalLM.cache_from_kv`` turns into a cache.
+Everything stays on the payloads' device (the model's); the block tables and lengths are built
+here on the host, so the operators need no device-to-host synchronisation.
 
 A block-major pool slot is one block payload, exactly as the store holds it::
 
@@ -43,7 +45,8 @@ def scatter_blocks(payloads: Sequence[torch.Tensor]
     hidden = num_heads * head_dim
     dtype = payloads[0].dtype
     # [layers, batch=1, max_seq_len, hidden]: the request's paged KV, one for K and one for V.
-    past_k = torch.empty(num_layers, 1, num_tokens, hidden, dtype=dtype)
+    past_k = torch.empty(num_layers, 1, num_tokens, hidden, dtype=dtype,
+                         device=payloads[0].device)
     past_v = torch.empty_like(past_k)
     stacked = torch.stack(list(payloads))  # [nb, L, 2, bs, H, D]
     lens = torch.tensor([num_tokens], dtype=torch.int32)

@@ -30,10 +30,10 @@ class PromptBlocks:
 def worker_namespace(config: KVStoreConfig) -> Namespace:
     """The namespace a worker with ``config.worker`` publishes in (loads the model once)."""
     from workers.engine import Engine
-    from workers.model import load_model
+    from workers.model import load_worker_model
 
     wc = config.worker
-    model = load_model(wc.model, seed=wc.seed, dtype=wc.dtype, num_threads=wc.num_threads)
+    model = load_worker_model(wc)
     with warnings.catch_warnings():  # the reuse probe's library deprecation notes: not ours
         warnings.simplefilter("ignore", FutureWarning)
         return Engine(model, None, wc,

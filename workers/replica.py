@@ -21,7 +21,8 @@ from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.security.data_keys import parse_data_key
 from workers.engine import Engine
-from workers.model import load_model
+from workers.device import describe_numerics
+from workers.model import load_worker_model
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,7 @@ class Replica:
                  replica_id: str = "replica-0") -> None:
         wc = config.worker
         self.replica_id = replica_id
-        self.model = load_model(wc.model, seed=wc.seed, dtype=wc.dtype,
-                                num_threads=wc.num_threads)
+        self.model = load_worker_model(wc)
         self.store = store_factory() if store_factory is not None else None
         self.engine = Engine(self.model, self.store, wc,
                              data_key=parse_data_key(config.security.data_key))
@@ -62,7 +62,9 @@ class Replica:
 
         wc = self.engine.config
         info = {"replica": self.replica_id, "node_id": self.node_id(), "model": wc.model,
-                "dtype": wc.dtype, "attn": self.model.attn_implementation,
+                "dtype": self.model.dtype, "attn": self.model.attn_implementation,
+                "device": str(self.model.device), "numerics": self.model.numerics,
+                "numerics_promise": describe_numerics(self.model.numerics),
                 "block_size": wc.block_size, "chunk_tokens": wc.prefill_chunk_tokens,
                 "reuse": self.engine.policy.as_dict(),
                 "namespace": operations.describe_namespace(self.engine.namespace, wc.model)}
@@ -101,6 +103,7 @@ class Replica:
                 operations.forget_worker(self.worker_id)
             except (KVStoreError, ray.exceptions.RayError):
                 pass  # the coordinator is gone: nothing left to tell
+        self.engine.close()  # publish what is queued before the store goes
         if self.store is not None:
             self.store.close()
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from kvstore import metrics
 from kvstore.api import MISS_NODE_UNAVAILABLE, FetchedBlock, Miss, TokenIds
 from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError, RequestCancelled
@@ -57,9 +58,12 @@ def assert_same(model, prompt, pre, dec):
 
 
 def disaggregated(engine_p: Engine, engine_d: Engine, prompt, *, tail=True):
+    """A prefill, then a decode that waits for the blocks the prefill queued for publishing
+    in the background (as a decode replica elsewhere does)."""
     pre = engine_p.prefill(prompt, sampling=SAMPLING, return_logits=True)
     dec = engine_d.decode(prompt, pre.first_token, tail=pre.tail if tail else None,
-                          sampling=SAMPLING, return_logits=True)
+                          sampling=SAMPLING, return_logits=True,
+                          wait_for_blocks=pre.num_prefix_blocks)
     return pre, dec
 
 
@@ -162,6 +166,7 @@ def test_corrupted_block_in_the_middle_is_recomputed(model):
     engine = Engine(model, store, make_config())
     prompt = make_prompt(110, seed=3)
     first = engine.prefill(prompt)
+    engine.wait_published()
     store.corrupt(first.block_keys[3])
     pre, dec = disaggregated(engine, engine, prompt, tail=False)
     assert pre.cached_tokens == 3 * BS and "corrupted" in pre.misses
@@ -246,6 +251,7 @@ def test_cancel_releases_the_request(model):
     engine = Engine(model, store, make_config())
     prompt = make_prompt(96, seed=12)
     engine.prefill(prompt)
+    engine.wait_published()  # the decode below must fetch, not use the queued blocks
 
     class CancelDuringFetch(HolderGone):
         def batch_get(self, namespace, keys, token_ids):
@@ -277,7 +283,9 @@ def test_bad_prompts_are_config_errors(model, prompt, match):
 def test_decode_without_a_prefill_computes_the_first_token(model):
     store = LocalStore()
     prompt = make_prompt(96, seed=13)
-    Engine(model, store, make_config()).prefill(prompt)
+    writer = Engine(model, store, make_config())
+    writer.prefill(prompt)
+    writer.wait_published()
     dec = Engine(model, store, make_config()).decode(prompt, None, sampling=SAMPLING)
     assert dec.fetched_tokens == 80 and dec.recomputed_tokens == 16
     assert dec.output_token_ids == reference(model, prompt)[2]
@@ -297,8 +305,31 @@ def test_an_unreachable_store_degrades_to_recompute(model):
             raise NodeUnavailable("holder down")
 
     prompt = make_prompt(80, seed=14)
-    engine = Engine(model, Down(LocalStore(), 0), make_config())
+    engine = Engine(model, Down(LocalStore(), 0), make_config(publish_backlog_blocks=0))
     pre, dec = disaggregated(engine, engine, prompt, tail=False)
     assert pre.cached_tokens == 0 and pre.num_published_blocks == 0
+    assert "publish failed" in pre.misses[-1]
     assert dec.recomputed_tokens == 80
     assert_same(model, prompt, pre, dec)
+
+
+def test_a_failed_background_publish_is_counted_and_recomputed(model):
+    """The publish runs after the request: its failure cannot reach the result, so it is
+    counted (kvstore_worker_publish_blocks_total{outcome="failed"}) and the blocks recomputed."""
+    from kvstore.errors import NodeUnavailable
+
+    class PutDown(HolderGone):
+        def batch_put(self, namespace, blocks):
+            raise NodeUnavailable("holder down")
+
+    failed = metrics.PUBLISH_BLOCKS.labels(outcome="failed")
+    before = failed._value.get()
+    prompt = make_prompt(80, seed=14)
+    engine = Engine(model, PutDown(LocalStore(), 0), make_config())
+    pre = engine.prefill(prompt, sampling=SAMPLING)
+    assert pre.num_published_blocks == 80 // BS  # queued: the request did not wait for it
+    engine.wait_published()
+    assert failed._value.get() - before == 80 // BS
+    assert engine.publisher is not None and engine.publisher.backlog_blocks == 0
+    again = engine.prefill(prompt, sampling=SAMPLING)
+    assert again.cached_tokens == 0 and again.first_token == pre.first_token
