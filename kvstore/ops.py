@@ -12,9 +12,15 @@ per-layer views of a block-major pool such as ``pool[:, layer, 0]``) the rows in
 to other layers and are simply never indexed. Otherwise the operators fall back to advanced
 indexing, which handles any strides.
 
-Every violated constraint is a ``ValueError`` naming the argument and the bad value; the
-checks are tensor reductions over ``[batch]`` or over the used entries, never a loop over
-tokens.
+Every violated constraint is a ``ValueError`` naming the argument and the bad value. The
+checks and the index are computed where the metadata lives (kvstore.ops_index): metadata on
+the host, the usual case, is checked with vectorised numpy and the finished index reaches the
+cache's device in one non-blocking copy, so a call never waits for the device. Metadata on the
+device is read back once to be checked; ``check=False`` (for callers that checked it
+themselves) skips those checks and builds the index there without a sync, save the output
+size of ``paged_cache_load`` when no ``out`` gives it and a ``layer_id`` tensor's value.
+Host metadata is always checked: that costs no sync. Unchecked bad values are undefined
+behaviour (an index error, or a device-side assert on CUDA).
 """
 
 from __future__ import annotations
@@ -24,6 +30,15 @@ import math
 import torch
 
 from kvstore.constants import DTYPE_NAMES
+from kvstore.ops_index import (
+    check_load,
+    check_scatter,
+    device_load_rows,
+    device_scatter_rows,
+    host_arrays,
+    host_load_rows,
+    host_scatter_rows,
+)
 
 __all__ = ["kv_cache_scatter", "paged_cache_load", "nz_align", "SUPPORTED_DTYPES"]
 
@@ -52,22 +67,24 @@ def _check_cache(name: str, x: object, ndim: int) -> torch.Tensor:
     return x
 
 
-def _index(name: str, x: object, ndim: int, device: torch.device) -> torch.Tensor:
-    """An int32/int64 index tensor of rank ``ndim``, as int64 on ``device``."""
+def _index(name: str, x: object, ndim: int) -> torch.Tensor:
+    """``x`` checked to be an int32/int64 index tensor of rank ``ndim`` (values unread)."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name} must be an int32 or int64 torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _INDEX_DTYPES:
         raise ValueError(f"{name} dtype {x.dtype} is not an index dtype; use int32 or int64")
     if x.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
-    return x.to(device=device, dtype=torch.int64)
+    return x
 
 
-def _first_bad(name: str, values: torch.Tensor, bad: torch.Tensor, rule: str) -> None:
-    """Raise naming the first ``values[i]`` flagged in ``bad``, if any."""
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(f"{name}[{i}] = {int(values[i])} but {rule}")
+def _on_host(device: torch.device, *meta: torch.Tensor | None) -> bool:
+    """Whether the index is built on the host: the cache or all its metadata lives there."""
+    return device.type == "cpu" or all(t is None or t.device.type == "cpu" for t in meta)
+
+
+def _on_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return x.to(device=device, dtype=torch.int64, non_blocking=True)
 
 
 def _layer_index(layer_id: object, num_layers: int) -> int:
@@ -116,17 +133,14 @@ def _row_view(x: torch.Tensor, outer: int, inner: int) -> tuple[torch.Tensor, in
     return view, ratio
 
 
-def _segment_ids(lens: torch.Tensor, total: int) -> torch.Tensor:
-    """Segment id of each of ``total`` items laid out as consecutive runs of ``lens``.
-
-    Built from marks at the segment starts plus a cumsum, not ``repeat_interleave``: on CPU
-    the latter (like advanced indexing) parallelises even tiny inputs and stalls for
-    milliseconds when the other cores are busy; index_add_/cumsum/index_select stay serial.
-    """
-    starts = torch.cumsum(lens, 0)[:-1]  # where segments 1.. begin (== total if empty tail)
-    marks = torch.zeros(total + 1, dtype=torch.int64, device=lens.device)
-    marks.index_add_(0, starts, torch.ones_like(starts))
-    return torch.cumsum(marks[:total], 0)
+def _runs(view: torch.Tensor, unit: int) -> torch.Tensor:
+    """A row view ``[num_rows, ...]`` as ``[num_rows // unit, unit, ...]``: runs of rows."""
+    if unit == 1:
+        return view
+    num_rows, *rest = view.shape
+    row_stride, *rest_strides = view.stride()
+    return view.as_strided([num_rows // unit, unit, *rest],
+                           [row_stride * unit, row_stride, *rest_strides], view.storage_offset())
 
 
 # ----------------------------------------------------------------------------- scatter
@@ -138,12 +152,15 @@ def kv_cache_scatter(
     layer_id: int | torch.Tensor,
     token_offset: torch.Tensor,
     seq_len: torch.Tensor,
+    *,
+    check: bool = True,
 ) -> torch.Tensor:
     """Write each sequence's new K or V rows into layer ``layer_id`` of ``past``, in place.
 
     ``past`` is ``[layers, batch, max_seq_len, hidden]``; ``new_kv`` is ``[ntokens, hidden]``
     or ``[batch, seq, heads, head_size]`` (read as packed ``[batch*seq, hidden]``). Sequence
     ``i`` fills positions ``[token_offset[i] - seq_len[i], token_offset[i])``. Returns ``past``.
+    ``check=False`` skips the value checks that would read device memory (see module doc).
     """
     _check_cache("past", past, 4)
     if not isinstance(new_kv, torch.Tensor):
@@ -170,37 +187,37 @@ def kv_cache_scatter(
     if any(st == 0 and n > 1 for st, n in zip(past.stride(), past.shape, strict=True)):
         raise ValueError("past must not be an expanded tensor (stride 0): rows would alias")
     layer = _layer_index(layer_id, num_layers)
-    offs = _index("token_offset", token_offset, 1, past.device)
-    lens = _index("seq_len", seq_len, 1, past.device)
+    offs = _index("token_offset", token_offset, 1)
+    lens = _index("seq_len", seq_len, 1)
     if offs.shape[0] != batch or lens.shape[0] != batch:
         raise ValueError(
             f"token_offset and seq_len must be [batch={batch}] (past.shape[1]), got "
             f"{tuple(offs.shape)} and {tuple(lens.shape)}"
         )
     ntokens = new_kv.shape[0]
-    _first_bad("seq_len", lens, lens <= 0, "every seq_len must be > 0")
-    total = int(lens.sum()) if batch else 0
-    if total != ntokens:
-        raise ValueError(f"sum(seq_len) = {total} must equal new_kv's ntokens = {ntokens}")
-    _first_bad("token_offset", offs, offs < lens, "token_offset[i] must be >= seq_len[i]")
-    _first_bad("token_offset", offs, offs > max_seq_len,
-               f"token_offset[i] must be <= max_seq_len = {max_seq_len} (past.shape[2])")
-    if ntokens == 0:
-        return past
-
     dst = past[layer]  # [batch, max_seq_len, hidden], a view
-    # Token k of sequence i goes to position k - starts[i] + offs[i] - lens[i].
-    starts = torch.cumsum(lens, 0) - lens
-    token = torch.arange(ntokens, device=past.device)
-    seq = _segment_ids(lens, ntokens)
     rows = _row_view(dst, 0, 1)
-    if rows is None:
-        pos = token + (offs - lens - starts).index_select(0, seq)
-        dst.index_put_((seq, pos), new_kv)
+    # Without a row view, an index is sequence * max_seq_len + position, split up below.
+    ratio = rows[1] if rows is not None else max_seq_len
+    unit = 1
+    if check or _on_host(past.device, offs, lens):
+        offs_h, lens_h = host_arrays(offs, lens)
+        offs_h, lens_h = check_scatter(offs_h, lens_h, ntokens, max_seq_len)
+        if ntokens == 0:
+            return past
+        if rows is not None:  # whole runs of `unit` rows when every offset and length allow
+            unit = math.gcd(ratio, *offs_h.tolist(), *lens_h.tolist())
+        index = host_scatter_rows(offs_h, lens_h, ratio, unit, past.device)
+    elif ntokens == 0:
         return past
-    view, ratio = rows
-    base = torch.arange(batch, device=past.device) * ratio + offs - lens - starts
-    view.index_copy_(0, token + base.index_select(0, seq), new_kv)
+    else:
+        index = device_scatter_rows(_on_device(offs, past.device), _on_device(lens, past.device),
+                                    ratio, ntokens)
+    if rows is None:
+        dst.index_put_((index // max_seq_len, index % max_seq_len), new_kv)
+    else:
+        src = new_kv.unflatten(0, (-1, unit)) if unit > 1 else new_kv
+        _runs(rows[0], unit).index_copy_(0, index, src)
     return past
 
 
@@ -227,26 +244,30 @@ def _check_out(
     return out[0], out[1]
 
 
-def _gather(cache: torch.Tensor, slot_dim: int, rows: tuple[torch.Tensor, int] | None,
-            unit: int, b: torch.Tensor, s: torch.Tensor, dst: torch.Tensor) -> None:
-    """``dst[k] = cache[b[k], (slot s[k])]`` with the non-token dims kept, into ``dst``.
+def _out_rows(out: object) -> int | None:
+    """The token count a well-formed ``out`` pair implies, if any (read without a sync)."""
+    if isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor):
+        return out[0].shape[0] if out[0].dim() else None
+    return None
 
-    With ``unit > 1`` each index moves ``unit`` consecutive slots (``s`` counts units).
+
+def _gather(cache: torch.Tensor, slot_dim: int, rows: tuple[torch.Tensor, int] | None,
+            unit: int, index: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst[k] = cache[row index[k]]`` with the non-token dims kept, into ``dst``.
+
+    With ``unit > 1`` each index moves ``unit`` consecutive slots. Without a row view the
+    index is ``block * block_size + slot``, split up for advanced indexing.
     """
     if rows is None:
+        block_size = cache.shape[slot_dim]
+        b, s = index // block_size, index % block_size
         picked = cache[b, s] if slot_dim == 1 else cache[b, :, s]
         dst.copy_(picked.reshape(dst.shape))
         return
-    view, ratio = rows
-    if unit > 1:
-        # Runs of `unit` slots are contiguous rows both in the cache and in the output.
-        num_rows, *rest = view.shape
-        row_stride, *rest_strides = view.stride()
-        view = view.as_strided([num_rows // unit, unit, *rest],
-                               [row_stride * unit, row_stride, *rest_strides],
-                               view.storage_offset())
-        dst = dst.view(-1, unit, *rest)
-    torch.index_select(view, 0, b * (ratio // unit) + s, out=dst)
+    view = _runs(rows[0], unit)
+    if unit > 1:  # runs of `unit` slots are contiguous rows both in the cache and in the output
+        dst = dst.view(-1, *view.shape[1:])
+    torch.index_select(view, 0, index, out=dst)
 
 
 def paged_cache_load(
@@ -259,6 +280,7 @@ def paged_cache_load(
     cumsum: bool = False,
     seq_starts: torch.Tensor | None = None,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather each sequence's tokens from paged K/V caches into contiguous ``(key, value)``.
 
@@ -267,6 +289,7 @@ def paged_cache_load(
     ``[num_blocks, num_heads*head_size // a, block_size, a]`` (``a`` elements = 32 bytes) and
     give ``[num_tokens, num_heads*head_size]``. Sequence ``i`` reads tokens
     ``[seq_starts[i], seq_starts[i] + len_i)`` through row ``i`` of ``block_table``.
+    ``check=False`` skips the value checks that would read device memory (see module doc).
     """
     if layout not in ("ND", "NZ"):
         raise ValueError(f"layout must be 'ND' or 'NZ', got {layout!r}")
@@ -308,41 +331,41 @@ def paged_cache_load(
     if block_size <= 0:
         raise ValueError(f"key_cache block_size must be > 0, got shape {tuple(key_cache.shape)}")
 
-    table = _index("block_table", block_table, 2, device)
+    table = _index("block_table", block_table, 2)
     batch, width = table.shape
-    cl = _index("context_lens", context_lens, 1, device)
-    if cumsum:
-        if cl.shape[0] != batch + 1:
-            raise ValueError(
-                f"context_lens with cumsum=True must be [batch+1={batch + 1}] "
-                f"(block_table has {batch} rows), got {tuple(cl.shape)}"
-            )
-        if int(cl[0]) != 0:
-            raise ValueError(f"context_lens[0] = {int(cl[0])} but cumulative sums start at 0")
-        lens = cl[1:] - cl[:-1]
-        _first_bad("context_lens", cl[1:], lens < 0,
-                   "cumulative sums must not decrease (context_lens[i+1] < context_lens[i])")
-    else:
-        if cl.shape[0] != batch:
-            raise ValueError(
-                f"context_lens must be [batch={batch}] (block_table rows), got {tuple(cl.shape)}"
-            )
-        lens = cl
-        _first_bad("context_lens", cl, cl < 0, "context lengths must be >= 0")
-    if seq_starts is None:
-        starts = torch.zeros_like(lens)
-    else:
-        starts = _index("seq_starts", seq_starts, 1, device)
-        if starts.shape[0] != batch:
-            raise ValueError(f"seq_starts must be [batch={batch}], got {tuple(starts.shape)}")
-        _first_bad("seq_starts", starts, starts < 0, "seq_starts must be >= 0")
-    # The last block position each non-empty sequence uses must lie inside the table.
-    last_pos = torch.div(starts + lens - 1, block_size, rounding_mode="floor")
-    _first_bad("context_lens", lens, (lens > 0) & (last_pos >= width),
-               f"with its seq_starts it needs a block_table position past the table's width "
-               f"{width} (block_size {block_size})")
+    cl = _index("context_lens", context_lens, 1)
+    if cumsum and cl.shape[0] != batch + 1:
+        raise ValueError(
+            f"context_lens with cumsum=True must be [batch+1={batch + 1}] "
+            f"(block_table has {batch} rows), got {tuple(cl.shape)}"
+        )
+    if not cumsum and cl.shape[0] != batch:
+        raise ValueError(
+            f"context_lens must be [batch={batch}] (block_table rows), got {tuple(cl.shape)}"
+        )
+    starts = None if seq_starts is None else _index("seq_starts", seq_starts, 1)
+    if starts is not None and starts.shape[0] != batch:
+        raise ValueError(f"seq_starts must be [batch={batch}], got {tuple(starts.shape)}")
 
-    num_tokens = int(lens.sum()) if batch else 0
+    k_rows = _row_view(key_cache, 0, slot_dim)
+    v_rows = _row_view(value_cache, 0, slot_dim)
+    # Without a row view, an index is block * block_size + slot, split up in _gather.
+    ratios = (k_rows[1] if k_rows else block_size, v_rows[1] if v_rows else block_size)
+    unit = 1
+    host = check or _on_host(device, table, cl, starts)
+    if host:
+        table_h, cl_h, *starts_h = host_arrays(table, cl, *([] if starts is None else [starts]))
+        lens, starts_n = check_load(cl_h, starts_h[0] if starts_h else None, cumsum, width,
+                                    block_size)
+        num_tokens = int(lens.sum())
+    else:
+        table_d, cl_d = _on_device(table, device), _on_device(cl, device)
+        lens_d = cl_d[1:] - cl_d[:-1] if cumsum else cl_d
+        starts_d = None if starts is None else _on_device(starts, device)
+        # The one value read left unchecked: the output size, unless `out` gives it.
+        out_rows = _out_rows(out)
+        num_tokens = out_rows if out_rows is not None else int(lens_d.sum()) if batch else 0
+
     if layout == "ND":
         shapes = ((num_tokens, *key_cache.shape[2:]), (num_tokens, *value_cache.shape[2:]))
     else:
@@ -356,37 +379,22 @@ def paged_cache_load(
     if num_tokens == 0:
         return key_out, value_out
 
-    k_rows = _row_view(key_cache, 0, slot_dim)
-    v_rows = _row_view(value_cache, 0, slot_dim)
-    # Move runs of `unit` tokens at once when every sequence's start and length, the block
-    # size and the caches' row ratios are multiples of it (whole-block loads, typically).
-    unit = 1
-    if layout == "ND" and k_rows is not None and v_rows is not None:
-        unit = math.gcd(block_size, k_rows[1], v_rows[1], *starts.tolist(), *lens.tolist())
-    lens_u, starts_u, bs_u = lens // unit, starts // unit, block_size // unit
-    num_units = num_tokens // unit
-
-    # Unit k of sequence i is position t = k - out_start[i] + starts[i] of that sequence.
-    seq = _segment_ids(lens_u, num_units)
-    out_start = torch.cumsum(lens_u, 0) - lens_u
-    t = torch.arange(num_units, device=device) + (starts_u - out_start).index_select(0, seq)
-    pos = torch.div(t, bs_u, rounding_mode="floor")
-    slot = t - pos * bs_u
-    b = table.reshape(-1).index_select(0, seq * width + pos)
-    bad = (b < 0) | (b >= num_blocks)
-    if bool(bad.any()):
-        k = int(bad.nonzero()[0, 0])
-        i, p = int(seq[k]), int(pos[k])
-        raise ValueError(
-            f"block_table[{i}][{p}] = {int(b[k])} is outside [0, num_blocks={num_blocks}) "
-            f"but sequence {i} uses it (token {int(t[k]) * unit})"
-        )
-    if layout == "ND":
-        _gather(key_cache, 1, k_rows, unit, b, slot, key_out)
-        _gather(value_cache, 1, v_rows, unit, b, slot, value_out)
+    if host:
+        # Move runs of `unit` tokens at once when every sequence's start and length, the block
+        # size and the caches' row ratios are multiples of it (whole-block loads, typically).
+        if layout == "ND" and k_rows is not None and v_rows is not None:
+            unit = math.gcd(block_size, *ratios, *starts_n.tolist(), *lens.tolist())
+        k_index, v_index = host_load_rows(table_h, lens, starts_n, block_size, unit, num_blocks,
+                                          ratios, device)
     else:
-        _gather(key_cache, 2, k_rows, 1, b, slot,
+        k_index, v_index = device_load_rows(table_d, lens_d, starts_d, block_size, num_tokens,
+                                            ratios)
+    if layout == "ND":
+        _gather(key_cache, 1, k_rows, unit, k_index, key_out)
+        _gather(value_cache, 1, v_rows, unit, v_index, value_out)
+    else:
+        _gather(key_cache, 2, k_rows, 1, k_index,
                 key_out.view(num_tokens, key_cache.shape[1], -1))
-        _gather(value_cache, 2, v_rows, 1, b, slot,
+        _gather(value_cache, 2, v_rows, 1, v_index,
                 value_out.view(num_tokens, value_cache.shape[1], -1))
     return key_out, value_out

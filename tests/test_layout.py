@@ -21,7 +21,8 @@ PACKAGES = ("kvstore", "workers", "frontend")
 #: Within one layer, only modules of the same package (or the ground) import each other.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ground", ("kvstore.errors", "kvstore.constants", "kvstore.config", "kvstore.keys",
-                "kvstore.block", "kvstore.block_batch", "kvstore.ops", "kvstore.api",
+                "kvstore.block", "kvstore.block_batch", "kvstore.ops", "kvstore.ops_index",
+                "kvstore.api",
                 "kvstore.metrics", "kvstore.reader_metrics", "kvstore.gc_tuning",
                 "kvstore.security")),
     ("index", ("kvstore.index",)),
