@@ -58,7 +58,8 @@ def resolve_device(spec: str) -> torch.device:
     try:
         device = torch.device(spec)
     except RuntimeError as exc:
-        raise ConfigError(f"worker.device {spec!r}: {exc}") from exc
+        raise ConfigError(f"worker.device {spec!r} is not a torch device here ({exc}); use "
+                          "auto, cpu, cuda:N, or npu:N with torch_npu installed") from exc
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"worker.device {spec!r}: torch sees no CUDA device here "

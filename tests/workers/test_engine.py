@@ -77,8 +77,8 @@ class HolderGone:
         return self.inner.lookup_prefix(namespace, keys)
 
     def batch_get(self, namespace: Namespace, keys: Sequence[bytes],
-                  token_ids: Sequence[TokenIds]) -> list[FetchedBlock | Miss]:
-        got = self.inner.batch_get(namespace, keys, token_ids)
+                  token_ids: Sequence[TokenIds], **kwargs) -> list[FetchedBlock | Miss]:
+        got = self.inner.batch_get(namespace, keys, token_ids, **kwargs)
         return [r if i < self.fail_from else Miss(r.key, MISS_NODE_UNAVAILABLE, "node died")
                 for i, r in enumerate(got)]
 
@@ -254,9 +254,9 @@ def test_cancel_releases_the_request(model):
     engine.wait_published()  # the decode below must fetch, not use the queued blocks
 
     class CancelDuringFetch(HolderGone):
-        def batch_get(self, namespace, keys, token_ids):
+        def batch_get(self, namespace, keys, token_ids, **kwargs):
             engine.cancel("r1")
-            return self.inner.batch_get(namespace, keys, token_ids)
+            return self.inner.batch_get(namespace, keys, token_ids, **kwargs)
 
     engine.store = CancelDuringFetch(store, 0)
     with pytest.raises(RequestCancelled, match="cancelled"):
@@ -298,7 +298,7 @@ def test_an_unreachable_store_degrades_to_recompute(model):
         def lookup_prefix(self, namespace, keys):
             raise NodeUnavailable("index down")
 
-        def batch_get(self, namespace, keys, token_ids):
+        def batch_get(self, namespace, keys, token_ids, **kwargs):
             raise NodeUnavailable("holder down")
 
         def batch_put(self, namespace, blocks):

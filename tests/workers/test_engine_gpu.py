@@ -1,0 +1,100 @@
+"""The exactness suite on a CUDA device (skips without one; CI has none).
+
+The same engine code as the CPU tests, with the model, its caches, the fetched blocks and the
+operators on the GPU (bfloat16 and sdpa by default there, eager too): a cached run is bitwise
+the ``--no-cache`` run for full and partial hits, a corrupted block and a dead holder are
+recomputed, and the blocks are on the device when they enter the model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.local import LocalStore
+from tests.workers.test_engine import (
+    HolderGone,
+    assert_same,
+    disaggregated,
+    make_config,
+    make_prompt,
+)
+from workers.engine import Engine
+from workers.model import load_model
+
+pytestmark = pytest.mark.gpu
+BS = 16
+
+
+@pytest.fixture(scope="module", params=["sdpa", "eager"])
+def model(request):
+    return load_model("tiny", seed=0, device="cuda", attn_implementation=request.param)
+
+
+def test_the_model_and_its_namespace_are_the_gpus(model) -> None:
+    assert model.device.type == "cuda" and model.dtype == "bfloat16"
+    assert model.numerics.startswith("cuda sm_") and model.attn_implementation in model.numerics
+    engine = Engine(model, LocalStore(), make_config())
+    assert engine.namespace.numerics == model.numerics and engine.namespace.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("n", [20, 64, 100, 130])
+def test_cold_then_warm_equals_uncached(model, n) -> None:
+    store = LocalStore()
+    writer, reader = Engine(model, store, make_config()), Engine(model, store, make_config())
+    pre, dec = disaggregated(writer, reader, make_prompt(n))
+    assert_same(model, make_prompt(n), pre, dec)
+    pre2, dec2 = disaggregated(writer, reader, make_prompt(n))
+    assert pre2.cached_tokens == (n - 1) // BS * BS
+    assert dec2.fetched_tokens == n // BS * BS and dec2.recomputed_tokens == 0
+    assert_same(model, make_prompt(n), pre2, dec2)
+
+
+@pytest.mark.parametrize("shared", [16, 40, 75])
+def test_partial_hit_equals_uncached(model, shared) -> None:
+    store = LocalStore()
+    engine = Engine(model, store, make_config())
+    engine.prefill(make_prompt(100, seed=1))
+    engine.wait_published()
+    prompt = make_prompt(100, seed=1)[:shared] + make_prompt(50, seed=2)
+    pre, dec = disaggregated(engine, Engine(model, store, make_config()), prompt, tail=False)
+    assert pre.cached_tokens <= shared // BS * BS
+    assert_same(model, prompt, pre, dec)
+
+
+def test_a_corrupted_block_is_recomputed_on_the_gpu(model) -> None:
+    store = LocalStore()
+    engine = Engine(model, store, make_config())
+    prompt = make_prompt(110, seed=3)
+    first = engine.prefill(prompt)
+    engine.wait_published()
+    store.corrupt(first.block_keys[3])
+    reader = Engine(model, store, make_config())
+    pre, dec = disaggregated(reader, reader, prompt, tail=False)
+    assert pre.cached_tokens <= 3 * BS and "corrupted" in pre.misses
+    assert_same(model, prompt, pre, dec)
+
+
+def test_a_dead_holder_is_recomputed_on_the_gpu(model) -> None:
+    store = LocalStore()
+    writer = Engine(model, store, make_config())
+    prompt = make_prompt(100, seed=4)
+    writer.prefill(prompt)
+    writer.wait_published()
+    reader = Engine(model, HolderGone(store, 2), make_config())
+    pre, dec = disaggregated(reader, reader, prompt, tail=False)
+    assert pre.cached_tokens <= 2 * BS and "node_unavailable" in pre.misses
+    assert_same(model, prompt, pre, dec)
+
+
+def test_fetched_blocks_arrive_on_the_device(model) -> None:
+    store = LocalStore()
+    writer = Engine(model, store, make_config())
+    prompt = make_prompt(64, seed=5)
+    writer.prefill(prompt)
+    writer.wait_published()
+    reader = Engine(model, store, make_config())
+    keys = reader.hasher.block_keys(prompt)
+    fetch = reader._fetch(reader.namespace, prompt, keys, len(keys))
+    assert fetch.payloads and all(p.device.type == "cuda" for p in fetch.payloads)
+    assert torch.cuda.is_available()
