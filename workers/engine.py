@@ -31,7 +31,7 @@ import torch
 from transformers import DynamicCache
 
 from kvstore import metrics
-from kvstore.api import MISS_NODE_UNAVAILABLE, BlockPut, FetchedBlock, KVStore, TokenIds
+from kvstore.api import MISS_NODE_UNAVAILABLE, BlockPut, FetchedBlock, KVStore, Miss, TokenIds
 from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError, KVStoreError, RequestCancelled
 from kvstore.keys import BlockHasher, Namespace

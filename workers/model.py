@@ -289,7 +289,7 @@ def _load(spec: str, seed: int, where: WorkerDevice, num_threads: int | None,
         raise ConfigError(f"--model {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a "
                           "local weights directory (with config.json and *.safetensors)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model: Any = AutoModelForCausalLM.from_pretrained(
             spec, dtype=torch_dtype, attn_implementation=padded_implementation(
                 attn_implementation), local_files_only=True)
     except (OSError, ValueError) as exc:

@@ -20,8 +20,8 @@ from kvstore.config import KVStoreConfig
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.security.data_keys import parse_data_key
-from workers.engine import Engine
 from workers.device import describe_numerics
+from workers.engine import Engine
 from workers.model import load_worker_model
 
 log = logging.getLogger(__name__)
