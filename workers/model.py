@@ -39,7 +39,8 @@ from workers.fingerprint import model_fingerprint
 
 ATTN_IMPLEMENTATION = "eager"
 
-#: Random-initialised presets: ``tiny`` for tests, ``small`` for the demo and benchmarks.
+#: Random-initialised presets: ``tiny`` for tests, ``small`` for the demo and benchmarks,
+#: ``llama3-8b`` for GPU benchmarks.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=176, vocab_size=512,
@@ -47,6 +48,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "small": dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16,
                   num_key_value_heads=4, intermediate_size=2816, vocab_size=32000,
                   max_position_embeddings=8192, initializer_range=0.02),
+    # Shaped like Llama-3-8B (random weights, 16 GB in bf16): GPU benchmarks only; a CPU
+    # would take minutes to initialise it.
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+                      max_position_embeddings=32768, rope_theta=500000.0,
+                      initializer_range=0.02),
 }
 
 @dataclass(slots=True)

@@ -53,8 +53,8 @@ def scatter_blocks(payloads: Sequence[torch.Tensor]
     for layer in range(num_layers):
         new_k = stacked[:, layer, 0].reshape(num_tokens, hidden)
         new_v = stacked[:, layer, 1].reshape(num_tokens, hidden)
-        kv_cache_scatter(past_k, new_k, layer, lens, lens)
-        kv_cache_scatter(past_v, new_v, layer, lens, lens)
+        kv_cache_scatter(past_k, new_k, layer, lens, lens, check=False)
+        kv_cache_scatter(past_v, new_v, layer, lens, lens, check=False)
     keys = [past_k[layer, 0].view(num_tokens, num_heads, head_dim) for layer in range(num_layers)]
     values = [past_v[layer, 0].view(num_tokens, num_heads, head_dim)
               for layer in range(num_layers)]
@@ -72,7 +72,8 @@ def gather_blocks(payloads: Sequence[torch.Tensor]
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for layer in range(num_layers):
-        k, v = paged_cache_load(pool[:, layer, 0], pool[:, layer, 1], block_table, context_lens)
+        k, v = paged_cache_load(pool[:, layer, 0], pool[:, layer, 1], block_table, context_lens,
+                                check=False)
         keys.append(k)
         values.append(v)
     return keys, values

@@ -1,0 +1,269 @@
+"""A cache hit on a GPU: cold vs warm TTFT through the real store, against the DMA floor.
+
+A random model shaped like Llama-3-8B (32 layers, 8 KV heads, head dim 128, bf16, sdpa; the
+``llama3-8b`` preset, built on the GPU), prompts of 4k and 16k tokens in chunks of 512, blocks
+of 16 tokens (2 MiB each). One run measures:
+
+- cold TTFT: the prompt computed from scratch (its blocks published behind it);
+- publish: the request thread's share (a block-major copy on the device) and how long the
+  background publisher took to put everything in the store node;
+- warm TTFT through a store node in another process, read on the same node (leased arena
+  pages, DMA to the device) and over the bulk channel (TCP, pinned staging, DMA), each by a
+  fresh engine (nothing of the cold run in its memory);
+- the floor, in the same run: the same blocks already in pinned host memory, one DMA, the
+  gather, the last tokens computed (an engine over a store that does only that);
+- both KV operators against ``index_select`` / ``index_copy_`` (``bench_ops``).
+
+Targets on an H100: cold/warm >= 3.5x at 4k and >= 10x at 16k, warm <= 1.3x the floor
+(``ratio_warm_vs_floor_4k``, lower is better), operators >= 0.8x, ``outputs_equal`` 1 (every
+warm run's first-token logits bitwise the cold run's). Without a GPU it says it skipped and
+exits 0; ``--device cpu`` runs the same steps on the ``tiny`` preset (a smoke test of the
+plumbing, not figures).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import parse_args, report
+from kvstore.api import FetchedBlock, Miss, NodeAddress, PrefixHit, TokenIds
+from kvstore.block import block_nbytes
+from kvstore.cluster_store import ClusterStore
+from kvstore.config import ClientConfig, WorkerConfig
+from kvstore.index.base import IndexEntry
+from kvstore.index.memory import InMemoryIndex
+from kvstore.keys import Namespace
+from workers.engine import Engine, PrefillResult
+from workers.model import CausalLM, load_model
+from workers.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVER = """
+import sys
+from kvstore.config import ServerConfig
+from kvstore.node.pool import BlockPool
+from kvstore.node.server import StoreServer
+pool = BlockPool(int(sys.argv[1]))
+srv = StoreServer(pool, "gpu-bench", ServerConfig(max_workers=8))
+g, b = srv.start()
+print(g, b, pool.path, flush=True)
+sys.stdin.read()
+srv.stop(0)
+pool.close()
+"""
+FIRST_TOKEN = SamplingParams(max_new_tokens=1)
+
+
+class PinnedBlocks:
+    """The floor's store: a prompt's blocks already in pinned host memory; a fetch is one DMA
+    of the whole batch to the device and nothing else (no lease, no verification)."""
+
+    node_id = "pinned"
+
+    def __init__(self, blocks: torch.Tensor, keys: Sequence[bytes]) -> None:
+        self.host = blocks.to("cpu").pin_memory() if torch.cuda.is_available() \
+            else blocks.to("cpu")
+        self.index = {bytes(k): i for i, k in enumerate(keys)}
+
+    def lookup_prefix(self, namespace: Namespace, keys: Sequence[bytes]) -> PrefixHit:
+        n = 0
+        while n < len(keys) and bytes(keys[n]) in self.index:
+            n += 1
+        return PrefixHit(n, [[self.node_id]] * n)
+
+    def batch_get(self, namespace: Namespace, keys: Sequence[bytes],
+                  token_ids: Sequence[TokenIds], *, device: Any = None
+                  ) -> list[FetchedBlock | Miss]:
+        rows = [self.index[bytes(k)] for k in keys]
+        first = rows[0]
+        assert rows == list(range(first, first + len(rows))), "the floor reads a prefix"
+        on_device = self.host[first:first + len(rows)].to(device or "cpu", non_blocking=True)
+        return [FetchedBlock(bytes(k), on_device[i], self.node_id) for i, k in enumerate(keys)]
+
+    def batch_put(self, namespace: Namespace, blocks: Sequence[Any]) -> None:
+        pass  # the floor publishes nothing
+
+    def close(self) -> None:
+        pass
+
+
+def start_node(capacity: int) -> tuple[subprocess.Popen[str], NodeAddress]:
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(capacity)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout is not None
+    grpc_port, bulk_port, shm_path = proc.stdout.readline().split()
+    return proc, NodeAddress("gpu-bench", f"127.0.0.1:{grpc_port}", f"127.0.0.1:{bulk_port}",
+                             shm_path)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def ttft(engine: Engine, tokens: list[int], request_id: str) -> PrefillResult:
+    """One prefill, with its logits: ``ttft_s`` ends when the first token is picked on the
+    host (the GPU work is done); ``timings['publish_s']`` is the request thread's share of
+    publishing."""
+    sync(engine.device)
+    pre = engine.prefill(tokens, request_id=request_id, sampling=FIRST_TOKEN,
+                         return_logits=True)
+    assert pre.logits is not None
+    return pre
+
+
+def measure_prompt(model: CausalLM, config: WorkerConfig, node: NodeAddress, num_tokens: int,
+                   repeats: int, salt: str) -> dict[str, float]:
+    """Cold, publish, warm (same node, bulk) and floor for one prompt length."""
+    device = model.device
+    cfg = dataclasses.replace(config, cache_salt=salt)  # a namespace per prompt length
+    tokens = torch.randint(0, model.shape.vocab_size, (num_tokens,),
+                           generator=torch.Generator().manual_seed(num_tokens)).tolist()
+    index = InMemoryIndex()
+    client = ClientConfig(timeout_s=300)
+
+    def store(reader_node: str) -> ClusterStore:
+        return ClusterStore(node.node_id, index, lambda _n: node, client,
+                            local_node_id=reader_node)
+
+    writer = Engine(model, store(node.node_id), cfg)
+    reference = Engine(model, None, cfg)
+    ref_logits = ttft(reference, tokens, "reference").logits
+    assert ref_logits is not None
+    cold = ttft(writer, tokens, "cold")
+    t0 = time.perf_counter()
+    writer.wait_published()
+    background_publish = time.perf_counter() - t0
+    writer.close()
+    # A cluster's store node publishes what it stores to the index; this bare node has none,
+    # so the bench lists the blocks (as transfer_support.cluster_store does).
+    keys = writer.hasher_for(None).block_keys(tokens)
+    index.publish([IndexEntry(k, node.node_id, block_nbytes(writer.namespace), p,
+                              writer.namespace.root)
+                   for k, p in zip(keys, [writer.namespace.root, *keys[:-1]], strict=True)])
+    out: dict[str, float] = {"cold_ttft_s": cold.ttft_s,
+                             "publish_request_thread_s": cold.timings["publish_s"],
+                             "publish_background_s": background_publish}
+    equal = cold.logits is not None and torch.equal(cold.logits, ref_logits)
+    nb = (num_tokens - 1) // config.block_size
+    for name, reader_node in (("samenode", node.node_id), ("remote", "another-node")):
+        times = []
+        for i in range(repeats):
+            engine = Engine(model, store(reader_node), cfg)
+            warm = ttft(engine, tokens, f"{name}-{i}")
+            engine.close()
+            assert warm.cached_tokens == nb * config.block_size, \
+                f"{name}: {warm.cached_tokens} tokens cached, misses {warm.misses}"
+            equal = equal and warm.logits is not None and torch.equal(warm.logits, ref_logits)
+            times.append(warm.ttft_s)
+        out[f"warm_ttft_{name}_s"] = min(times)
+    blocks = model.export_block_major(_cold_cache(model, tokens, cfg), 0, nb, config.block_size)
+    floor_engine = Engine(model, PinnedBlocks(blocks, keys[:nb]), cfg)  # type: ignore[arg-type]
+    floor = []
+    for i in range(repeats):
+        got = ttft(floor_engine, tokens, f"floor-{i}")
+        assert got.cached_tokens == nb * config.block_size
+        equal = equal and got.logits is not None and torch.equal(got.logits, ref_logits)
+        floor.append(got.ttft_s)
+    out["floor_ttft_s"] = min(floor)
+    out["outputs_equal"] = float(equal)
+    del blocks, floor_engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _cold_cache(model: CausalLM, tokens: list[int], config: WorkerConfig) -> Any:
+    """The prompt's KV computed as the engine does (canonical chunks), for the floor's blocks."""
+    engine = Engine(model, None, config)
+    _, cache = engine._prefill(tokens, FIRST_TOKEN, "floor-blocks", False, float("inf"))
+    return cache
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
+        "--device", default="cuda", help="cuda (default) or cpu (a smoke run on the tiny "
+        "preset: the plumbing, not figures)"))
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_gpu: skipped: torch sees no CUDA device here (run it on a GPU machine, "
+              "or --device cpu for a smoke run)")
+        return
+    gpu = device.type == "cuda"
+    preset = "llama3-8b" if gpu else "tiny"
+    lengths = ((4096, 16384) if not args.quick else (4096,)) if gpu else (256, 512)
+    config = WorkerConfig(model=preset, block_size=16, prefill_chunk_tokens=512 if gpu else 64,
+                          device=str(device), dtype="bfloat16" if gpu else "float32",
+                          attn_implementation="sdpa" if gpu else "eager")
+    t0 = time.perf_counter()
+    model = load_model(preset, device=str(device), dtype=config.dtype,
+                       attn_implementation=config.attn_implementation, num_threads=None)
+    load_s = time.perf_counter() - t0
+    kv_per_token = model.shape.num_layers * 2 * model.shape.num_kv_heads * \
+        model.shape.head_dim * torch.finfo(torch.bfloat16 if gpu else torch.float32).bits // 8
+    capacity = sum(lengths) * kv_per_token * 3 // 2 + (256 << 20)
+    proc, node = start_node(capacity)
+    figures: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if gpu else "cpu",
+                               "model_load_s": load_s, "numerics": model.numerics}
+    try:
+        Engine(model, None, config).prefill([7] * 600, sampling=FIRST_TOKEN)  # warm-up
+        repeats = 2 if args.quick else 4
+        equal = True
+        for n in lengths:
+            label = f"{n // 1024}k" if gpu else str(n)
+            got = measure_prompt(model, config, node, n, repeats, salt=f"bench-{n}")
+            equal = equal and bool(got.pop("outputs_equal"))
+            figures |= {f"{k}_{label}": v for k, v in got.items()}
+            warm = got["warm_ttft_samenode_s"]
+            figures[f"ratio_cold_vs_warm_ttft_{label}"] = got["cold_ttft_s"] / warm
+            figures[f"ratio_cold_vs_warm_remote_ttft_{label}"] = \
+                got["cold_ttft_s"] / got["warm_ttft_remote_s"]
+            figures[f"ratio_warm_vs_floor_{label}"] = warm / got["floor_ttft_s"]
+        figures["outputs_equal"] = float(equal)
+        if gpu:
+            from benchmarks.bench_ops import gpu_operator_ratios
+
+            figures |= gpu_operator_ratios(device, quick=args.quick)
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(timeout=60)
+    rows = []
+    for n in lengths:
+        label = f"{n // 1024}k" if gpu else str(n)
+        rows += [
+            (f"{label}: cold TTFT (ms)", f"{figures[f'cold_ttft_s_{label}'] * 1e3:.1f}", ""),
+            (f"{label}: warm TTFT same node (ms)",
+             f"{figures[f'warm_ttft_samenode_s_{label}'] * 1e3:.1f}",
+             f"cold/warm {figures[f'ratio_cold_vs_warm_ttft_{label}']:.1f}x"),
+            (f"{label}: warm TTFT over the bulk channel (ms)",
+             f"{figures[f'warm_ttft_remote_s_{label}'] * 1e3:.1f}",
+             f"cold/warm {figures[f'ratio_cold_vs_warm_remote_ttft_{label}']:.1f}x"),
+            (f"{label}: floor (pinned, one DMA, gather, last tokens) (ms)",
+             f"{figures[f'floor_ttft_s_{label}'] * 1e3:.1f}",
+             f"warm/floor {figures[f'ratio_warm_vs_floor_{label}']:.2f}x (<= 1.3)"),
+            (f"{label}: publish, request thread / background (ms)",
+             f"{figures[f'publish_request_thread_s_{label}'] * 1e3:.1f}",
+             f"{figures[f'publish_background_s_{label}'] * 1e3:.1f}"),
+        ]
+    for key in ("ratio_paged_cache_load_vs_index_select_gpu",
+                "ratio_kv_cache_scatter_vs_index_copy_gpu"):
+        if key in figures:
+            rows.append((key, f"{figures[key]:.2f}x", ">= 0.8x"))
+    rows.append(("outputs equal (bitwise, every warm run)", str(bool(figures["outputs_equal"])),
+                 "True"))
+    report(f"bench_gpu on {figures['device']} ({preset})", rows, figures, args.json)
+
+
+if __name__ == "__main__":
+    main()
