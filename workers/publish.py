@@ -37,6 +37,9 @@ from kvstore.keys import Namespace
 
 log = logging.getLogger(__name__)
 
+#: Seconds the publisher thread waits for work before it ends (the next submit restarts it).
+IDLE_EXIT_S = 5.0
+
 
 @dataclass(slots=True)
 class PublishBatch:
@@ -72,9 +75,9 @@ class BackgroundPublisher:
         self._closed = False
         self._staging: torch.Tensor | None = None  # pinned, reused: grown, never shrunk
         self._stream: Any = None
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name="kvstore-publisher")
-        self._thread.start()
+        # Started by the first submit and gone after IDLE_EXIT_S without work, so an engine
+        # nobody uses any more (and its store) can be collected.
+        self._thread: threading.Thread | None = None
 
     # -- the request's side -------------------------------------------------------------------
 
@@ -99,6 +102,10 @@ class BackgroundPublisher:
                 waited += time.perf_counter() - t0
             self._queue.append(batch)
             self._backlog += n
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="kvstore-publisher")
+                self._thread.start()
             root = batch.namespace.root
             for i, key in enumerate(batch.keys):
                 self._pending[(root, key)] = (batch, i)
@@ -152,17 +159,20 @@ class BackgroundPublisher:
         self.flush(timeout)
         with self._cond:
             self._closed = True
+            thread = self._thread
             self._cond.notify_all()
-        self._thread.join(timeout=5.0)
+        if thread is not None:
+            thread.join(timeout=5.0)
 
     # -- the publisher thread -------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
+                if not self._queue and not self._closed:
+                    self._cond.wait(IDLE_EXIT_S)
                 if not self._queue:
+                    self._thread = None  # idle or closed: the next submit starts another
                     return
                 batch = self._queue[0]
             try:

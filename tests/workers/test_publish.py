@@ -131,3 +131,24 @@ def test_the_request_does_not_wait_for_its_publish_and_a_hit_equals_no_cache(mod
     engine.wait_published()
     assert len(store.blocks) == 6
     engine.close()
+
+
+def test_an_idle_publisher_thread_ends_and_the_next_submit_restarts_it(monkeypatch) -> None:
+    """An engine nobody uses keeps no thread (and so no store) alive."""
+    import time
+
+    from workers import publish
+
+    monkeypatch.setattr(publish, "IDLE_EXIT_S", 0.05)
+    store = LocalStore()
+    pub = BackgroundPublisher(store, max_backlog_blocks=8)
+    assert pub._thread is None  # nothing submitted: no thread
+    pub.submit(batch("a", 10, 2))
+    assert pub.flush(30)
+    deadline = time.monotonic() + 10
+    while pub._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pub._thread is None
+    pub.submit(batch("b", 20, 2))
+    assert pub.flush(30) and len(store.blocks) == 4
+    pub.close()
