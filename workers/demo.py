@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstore.config import KVStoreConfig
+from workers.device import resolve_worker
 from workers.sampling import SamplingParams
 from workers.serving import Deployment
 
@@ -30,8 +31,11 @@ def run_demo(args: argparse.Namespace, config: KVStoreConfig) -> int:
     console = Console(stderr=args.json)
     sampling = SamplingParams(max_new_tokens=config.worker.max_new_tokens,
                               temperature=args.temperature, sampling_seed=args.sampling_seed)
-    console.print(f"[bold]kvstore demo[/]: model {config.worker.model}, system prompt "
-                  f"{args.system_tokens} tokens, {args.requests} requests")
+    wc = config.worker
+    where = resolve_worker(wc.device, wc.dtype, wc.attn_implementation)
+    console.print(f"[bold]kvstore demo[/]: model {wc.model} on {where.device} ({where.dtype}, "
+                  f"{where.attn_implementation}), system prompt {args.system_tokens} tokens, "
+                  f"{args.requests} requests")
     dep = Deployment(config, num_prefill=2, num_decode=1,
                      mode="inprocess" if args.in_process else "ray", address=args.address,
                      own_ray=True)
@@ -51,6 +55,7 @@ def run_demo(args: argparse.Namespace, config: KVStoreConfig) -> int:
         dep.close()
     warm = outs[1:]
     figures: dict[str, Any] = {
+        "device": str(where.device),
         "cold_ttft_s": outs[0].ttft_s,
         "warm_ttft_s": statistics.median(o.ttft_s for o in warm) if warm else None,
         "hit_rate": sum(o.cached_tokens for o in warm) / max(1, sum(o.num_prompt_tokens

@@ -168,9 +168,17 @@ def test_corrupted_block_in_the_middle_is_recomputed(model):
     first = engine.prefill(prompt)
     engine.wait_published()
     store.corrupt(first.block_keys[3])
-    pre, dec = disaggregated(engine, engine, prompt, tail=False)
+    pre = engine.prefill(prompt, sampling=SAMPLING, return_logits=True)
     assert pre.cached_tokens == 3 * BS and "corrupted" in pre.misses
     assert pre.unreused_shared_tokens == (110 // BS - 3) * BS
+    # The prefill re-offers blocks 3.. (the store keeps its first, corrupted copy of block 3):
+    # while queued, this engine reads its own recomputed copies; from the store, block 3 is
+    # still rejected.
+    queued = engine.decode(prompt, pre.first_token, sampling=SAMPLING, return_logits=True)
+    assert queued.fetched_tokens == 110 // BS * BS or "corrupted" in queued.misses
+    assert_same(model, prompt, pre, queued)
+    engine.wait_published()
+    dec = engine.decode(prompt, pre.first_token, sampling=SAMPLING, return_logits=True)
     assert dec.fetched_tokens == 3 * BS and "corrupted" in dec.misses
     assert_same(model, prompt, pre, dec)
 

@@ -54,6 +54,7 @@ def test_demo_json_in_process(capsys):
     (fig,) = rows
     assert fig["outputs_match"] is True and fig["hit_rate"] > 0.8 and fig["bytes_fetched"] > 0
     assert fig["cold_ttft_s"] > 0 and fig["warm_ttft_s"] > 0
+    assert fig["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.parametrize("line, match", [
