@@ -115,6 +115,7 @@ def test_an_eager_writers_blocks_reach_an_sdpa_reader_only_when_portable(numeric
     writer.prefill(tokens, sampling=SamplingParams(max_new_tokens=0))  # a warm-up: published
     assert len(store.blocks) == 100 // BS
     pre = reader.prefill(tokens, sampling=SamplingParams(max_new_tokens=1))
+    reader.wait_published()
     if numerics == "auto":
         assert pre.cached_tokens == 0
         assert len(store.blocks) == 2 * (100 // BS)  # the reader published its own

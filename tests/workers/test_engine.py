@@ -213,6 +213,7 @@ def test_a_second_replica_hits_the_first_ones_blocks(model):
     second = Engine(load_model("tiny", seed=0), store, make_config())
     prompt = make_prompt(90, seed=5)
     first.prefill(prompt)
+    first.wait_published()  # another replica reads the store, not first's queue
     pre, dec = disaggregated(second, second, prompt)
     assert pre.cached_tokens == 80 and pre.sources == {"node-a": 5}
     assert pre.bytes_fetched == 5 * second.namespace.payload_nbytes
@@ -223,8 +224,9 @@ def test_a_second_replica_hits_the_first_ones_blocks(model):
 def test_decode_survives_a_holder_dying_mid_fetch(model, fail_from):
     store = LocalStore()
     prompt = make_prompt(100, seed=6)
-    pre = Engine(model, store, make_config()).prefill(prompt, sampling=SAMPLING,
-                                                      return_logits=True)
+    writer = Engine(model, store, make_config())
+    pre = writer.prefill(prompt, sampling=SAMPLING, return_logits=True)
+    writer.wait_published()
     dying = Engine(model, HolderGone(store, fail_from), make_config())
     dec = dying.decode(prompt, pre.first_token, tail=pre.tail, sampling=SAMPLING,
                        return_logits=True)

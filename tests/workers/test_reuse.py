@@ -30,7 +30,9 @@ def tiny():
 
 
 def make_config(**kw) -> WorkerConfig:
-    return WorkerConfig(**{"model": "tiny", **kw})
+    """Publishing on the request's thread: these tests look at which blocks a prefill
+    publishes right after it (the background publisher has tests of its own)."""
+    return WorkerConfig(**{"model": "tiny", "publish_backlog_blocks": 0, **kw})
 
 
 def make_prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
