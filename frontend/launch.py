@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -113,7 +114,8 @@ def check_model(config: KVStoreConfig, tokenizer_path: str | None) -> None:
 
     tokenizer_for(config.worker.model, tokenizer_path)
     if config.worker.model not in PRESETS:
-        load_worker_model(config.worker, keep_threads=True)
+        # On the host's CPU: the check must not take GPU memory the replicas will want.
+        load_worker_model(dataclasses.replace(config.worker, device="cpu"), keep_threads=True)
 
 
 def _wait_ready(url: str, stop: threading.Event) -> None:
