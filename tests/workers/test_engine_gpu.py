@@ -98,3 +98,19 @@ def test_fetched_blocks_arrive_on_the_device(model) -> None:
     fetch = reader._fetch(reader.namespace, prompt, keys, len(keys))
     assert fetch.payloads and all(p.device.type == "cuda" for p in fetch.payloads)
     assert torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+def test_the_weights_checksum_is_the_same_on_the_gpu_and_the_cpu(dtype) -> None:
+    """Exact float64 row sums: one fingerprint for the same weights on any device."""
+    from workers.fingerprint import tensor_checksum
+
+    t = (torch.randn(3, 70001, generator=torch.Generator().manual_seed(2)) * 40).to(dtype)
+    assert tensor_checksum(t.to("cuda")) == tensor_checksum(t)
+
+
+def test_a_preset_builds_on_the_gpu_with_the_cpu_builds_shape() -> None:
+    gpu = load_model("tiny", device="cuda", dtype="float32", attn_implementation="eager")
+    cpu = load_model("tiny", device="cpu", dtype="float32", attn_implementation="eager")
+    assert gpu.device.type == "cuda" and gpu.shape == cpu.shape
+    assert gpu.numerics != cpu.numerics  # another device kind: another namespace
