@@ -20,6 +20,8 @@ torch builds and attention implementations, and outputs are numerically close, n
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import re
 from dataclasses import dataclass
 
@@ -55,6 +57,10 @@ def resolve_device(spec: str) -> torch.device:
     if not isinstance(spec, str) or not _DEVICE_RE.match(spec):
         raise ConfigError(f"worker.device {spec!r} is not a device; use auto, cpu, cuda, "
                           "cuda:N or another torch device string such as npu:0")
+    if spec.split(":")[0] == "npu":
+        # Ascend NPUs are a torch plugin: importing it registers the "npu" device type.
+        with contextlib.suppress(ImportError):
+            importlib.import_module("torch_npu")
     try:
         device = torch.device(spec)
     except RuntimeError as exc:
