@@ -5,9 +5,12 @@ preallocated buffers); gRPC Get is measured too, since it is the fallback and th
 bulk channel exists. 64 KiB blocks are read both ways a caller can: one blocking call per 32
 blocks (latency-bound), and one call whose 32-block requests are pipelined on one connection.
 Same-node reads go through the product path, ``ClusterStore.batch_get_into`` / ``batch_get``
-(lease, one copy-and-verify pass out of the arena, release without waiting), for batches of
-128 blocks (a 2048-token prompt at block_size 16) and 32, against memcpy of the same bytes into
-a destination of the same size and reuse. Every figure is the best of a few repeats (the
+(lease, each block copied and its copy hashed while cache-hot, the blocks of a batch spread
+over the verify pool's threads, release without waiting), for batches of 128 blocks (a
+2048-token prompt at block_size 16) and 32, against memcpy of the same bytes into a destination
+of the same size and reuse; and ``batch_get(..., device="cpu")`` (the device path: the leased
+arena bytes verified, payloads copied into one fresh ``[n, *payload_shape]`` tensor) against
+memcpy into fresh memory. Every figure is the best of a few repeats (the
 least disturbed run on a shared machine). Then the product-path reads again, a plain node
 against one with the cluster token, TLS and keyed blocks (``bench_transfer_secure``: what
 security costs on the data path; ``--no-secure`` skips it).
@@ -291,6 +294,8 @@ def main() -> None:
         t |= {f"{k}_fresh_128": v for k, v in race({
             "memcpy": memcpy_batches(src, 128 * big_nb, True),
             "shm": partial(store_fetch, local, NS_2MIB, big_keys, big_tokens, 128, None),
+            "device_cpu": partial(store_fetch, local, NS_2MIB, big_keys, big_tokens, 128, None,
+                                  "cpu"),
         }, repeats).items()}
         local.close()
         del src
@@ -320,6 +325,7 @@ def main() -> None:
         "samenode_gbps_2mib": big("shm_128"),
         "samenode_gbps_2mib_batch32": big("shm_32"),
         "samenode_fresh_gbps_2mib": big("shm_fresh_128"),
+        "samenode_device_cpu_gbps_2mib": big("device_cpu_fresh_128"),
         "memcpy_gbps_2mib": big("memcpy_128"),
         "memcpy_gbps_2mib_batch32": big("memcpy_32"),
         "memcpy_fresh_gbps_2mib": big("memcpy_fresh_128"),
@@ -330,6 +336,8 @@ def main() -> None:
         "ratio_samenode_vs_memcpy_2mib": t["memcpy_128"] / t["shm_128"],
         "ratio_samenode_vs_memcpy_2mib_batch32": t["memcpy_32"] / t["shm_32"],
         "ratio_samenode_fresh_vs_memcpy_fresh_2mib": t["memcpy_fresh_128"] / t["shm_fresh_128"],
+        "ratio_samenode_device_cpu_vs_memcpy_fresh_2mib":
+            t["memcpy_fresh_128"] / t["device_cpu_fresh_128"],
         **lookup_figures,
         "redis_hiredis": float(HIREDIS_AVAILABLE),
         "num_blocks_2mib": n_big,
@@ -363,6 +371,9 @@ def main() -> None:
          f"{f['samenode_fresh_gbps_2mib']:.2f}",
          f"memcpy to fresh {f['memcpy_fresh_gbps_2mib']:.2f} "
          f"({f['ratio_samenode_fresh_vs_memcpy_fresh_2mib']:.2f}x)"),
+        ("same-node batch_get(device='cpu') x128 (GB/s)",
+         f"{f['samenode_device_cpu_gbps_2mib']:.2f}",
+         f"memcpy to fresh ({f['ratio_samenode_device_cpu_vs_memcpy_fresh_2mib']:.2f}x)"),
         ("redis lookup 2048 keys p50 (ms)", f"{f['redis_lookup_2048_p50_ms']:.2f}",
          f"one MGET {f['redis_mget_2048_p50_ms']:.2f}"),
         ("ratio lookup 2048 vs MGET (time, lower is better)",

@@ -69,13 +69,15 @@ def cluster_store(addr: NodeAddress, ns: Namespace, keys: list[bytes], reader_no
 
 
 def store_fetch(store: ClusterStore, ns: Namespace, keys: list[bytes], tokens: list[list[int]],
-                batch: int, out: torch.Tensor | None) -> None:
+                batch: int, out: torch.Tensor | None, device: torch.device | str | None = None
+                ) -> None:
     """Every block through the product path, ``batch`` at a time; into ``out`` if given,
-    else ``batch_get`` (a fresh tensor per batch)."""
+    else ``batch_get`` (a fresh tensor per batch; on ``device`` if given: a GPU benchmark
+    times ``device="cuda"`` against ``None`` with this)."""
     for i in range(0, len(keys), batch):
         ks, ts = keys[i:i + batch], tokens[i:i + batch]
-        got = store.batch_get(ns, ks, ts) if out is None else store.batch_get_into(ns, ks, ts,
-                                                                                    out)
+        got = store.batch_get(ns, ks, ts, device=device) if out is None \
+            else store.batch_get_into(ns, ks, ts, out)
         if not all(isinstance(g, FetchedBlock) for g in got):
             raise RuntimeError(f"bench fetch missed: {[g for g in got if isinstance(g, Miss)][:1]}")
 

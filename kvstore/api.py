@@ -112,10 +112,20 @@ class KVStore(Protocol):
         namespace: Namespace,
         keys: Sequence[bytes],
         token_ids: Sequence[TokenIds],
+        *,
+        device: torch.device | str | None = None,
     ) -> list[FetchedBlock | Miss]:
         """Lease, fetch, verify and copy out blocks; one result per key, in order.
 
         Verification failures and unreachable holders come back as ``Miss``, never raise.
+
+        ``device``: where the payloads go. None: CPU tensors, as always (views into one
+        buffer of whole blocks). A device (``"cpu"``, ``"cuda"``, ``"cuda:1"``; bare
+        ``"cuda"`` is the current one): every ``FetchedBlock.payload`` is a view into one
+        contiguous ``[len(keys), *payload_shape]`` tensor on that device, its data complete
+        when the call returns (copies are synchronized; usable on any stream). A block is
+        exposed only after its bytes were verified; the rows of misses hold zeros. A
+        device the process cannot use is a ``ValueError``.
         """
         ...
 

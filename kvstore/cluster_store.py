@@ -2,9 +2,11 @@
 
 ``batch_get`` groups keys by holder (the reader's own node first, then any other holder),
 copies each block once into a buffer the caller will own (same node: from the holder's shared
-memory under a lease, hashing each piece while it is cache-hot, so copy and verification are one
-pass; other nodes: the bulk channel or gRPC, then verification), and returns a view into that
-buffer: one ``[n, block_nbytes]`` tensor per batch, or the caller's own (``batch_get_into``).
+memory under a lease, each block's copy hashed while it is cache-hot, the batch's blocks
+spread over a few threads; other nodes: the bulk channel or gRPC, then verification), and
+returns a view into that buffer: one ``[n, block_nbytes]`` tensor per batch, or the caller's
+own (``batch_get_into``). With a ``device``, the payloads are views into one
+``[n, *payload_shape]`` tensor on it instead (``kvstore.node.device_reads``).
 Whatever goes wrong with a block or a node becomes a ``Miss`` with a reason: a worker
 recomputes, it never fails or uses wrong KV. Same node is decided by node id (the Ray node),
 not by whether ``/dev/shm`` happens to be shared.
@@ -51,6 +53,7 @@ from kvstore.index.base import Index
 from kvstore.index.view import IndexView
 from kvstore.keys import Namespace
 from kvstore.node.client import StoreNodeClient
+from kvstore.node.device_copy import DeviceRows, target_device
 
 Directory = Callable[[str], NodeAddress] | Callable[[], Mapping[str, NodeAddress]]
 
@@ -86,13 +89,18 @@ class ClusterStore:
         return self.view.lookup_prefix(list(keys))
 
     def batch_get(self, namespace: Namespace, keys: Sequence[bytes],
-                  token_ids: Sequence[TokenIds]) -> list[FetchedBlock | Miss]:
+                  token_ids: Sequence[TokenIds], *, device: torch.device | str | None = None
+                  ) -> list[FetchedBlock | Miss]:
         if len(keys) != len(token_ids):
             raise ValueError(f"{len(keys)} keys but {len(token_ids)} token lists")
-        # One allocation for the batch, not one per block: the payloads are views into it, so
-        # the batch's memory lives as long as any of them (callers copy them into their pool).
-        return self.batch_get_into(namespace, keys, token_ids,
-                                   new_block_buffer(namespace, len(keys)))
+        target = target_device(device)
+        if target is None:
+            # One allocation for the batch, not one per block: the payloads are views into
+            # it, so the batch's memory lives as long as any of them.
+            return self.batch_get_into(namespace, keys, token_ids,
+                                       new_block_buffer(namespace, len(keys)))
+        return self._batch_get(namespace, [bytes(k) for k in keys], token_ids,
+                               DeviceRows(target, len(keys), namespace.payload_nbytes))
 
     def batch_get_into(self, namespace: Namespace, keys: Sequence[bytes],
                        token_ids: Sequence[TokenIds], out: torch.Tensor
@@ -106,7 +114,12 @@ class ClusterStore:
         if len(keys) != len(token_ids):
             raise ValueError(f"{len(keys)} keys but {len(token_ids)} token lists")
         _check_out(out, len(keys), block_nbytes(namespace))
-        keys = [bytes(k) for k in keys]
+        return self._batch_get(namespace, [bytes(k) for k in keys], token_ids, out)
+
+    def _batch_get(self, namespace: Namespace, keys: list[bytes],
+                   token_ids: Sequence[TokenIds], out: torch.Tensor | DeviceRows
+                   ) -> list[FetchedBlock | Miss]:
+        """Fetch into ``out``: CPU rows of whole blocks, or payload rows on a device."""
         results: list[str | None] = [None] * len(keys)  # the node that served each block
         try:
             holders = self.view.holders(keys)
@@ -129,10 +142,15 @@ class ClusterStore:
                     candidates[i] = [n for n in self._order(h) if n not in tried[i]]
                 self._fetch_rounds(namespace, keys, token_ids, out, candidates, tried,
                                    results, last_miss)
-        # Every row's payload view in one go (unbind is one C call, indexing rows is not).
-        start = payload_offset(namespace)
-        payloads = out[: len(keys), start : start + namespace.payload_nbytes] \
-            .view(namespace.torch_dtype).unflatten(1, namespace.payload_shape).unbind(0)
+        if isinstance(out, DeviceRows):
+            # A device row of a miss may hold a rejected block's bytes: none may stay there.
+            out.zero([i for i, r in enumerate(results) if r is None])
+            out.wait()
+            payloads = out.payloads(namespace)
+        else:  # every row's payload view in one go (unbind is one C call, indexing is not)
+            start = payload_offset(namespace)
+            payloads = out[: len(keys), start : start + namespace.payload_nbytes] \
+                .view(namespace.torch_dtype).unflatten(1, namespace.payload_shape).unbind(0)
         fetched: list[FetchedBlock | Miss] = []
         for i, r in enumerate(results):
             if isinstance(r, str):
@@ -200,7 +218,7 @@ class ClusterStore:
             self.flush_metrics(resolve=False)
 
     def _fetch_rounds(self, namespace: Namespace, keys: list[bytes],
-                      token_ids: Sequence[TokenIds], out: torch.Tensor,
+                      token_ids: Sequence[TokenIds], out: torch.Tensor | DeviceRows,
                       candidates: list[list[str]], tried: list[set[str]],
                       results: list[str | None], last_miss: dict[int, Miss]) -> None:
         """Fetch each unserved key from its next candidate, grouped by node, until every key
@@ -249,19 +267,21 @@ class ClusterStore:
             client.close()
 
     def _fetch_group(self, namespace: Namespace, node: str, idxs: list[int], keys: list[bytes],
-                     token_ids: Sequence[TokenIds], out: torch.Tensor,
+                     token_ids: Sequence[TokenIds], out: torch.Tensor | DeviceRows,
                      results: list[str | None],
                      last_miss: dict[int, Miss]) -> None:
         nbytes = block_nbytes(namespace)
         t0 = time.perf_counter()
         try:
             client = self._client(node)
-            # Verified by the client: same node in the same pass as the copy.
-            # Numpy row views: the byte-level paths take them without a per-block conversion.
-            rows = out.numpy()
-            got = client.get_verified_into(namespace, [keys[i] for i in idxs],
-                                           [token_ids[i] for i in idxs],
-                                           [rows[i, :nbytes] for i in idxs])
+            group_keys, group_tokens = [keys[i] for i in idxs], [token_ids[i] for i in idxs]
+            if isinstance(out, DeviceRows):  # verified, then on the device
+                got = client.get_verified_into_device(namespace, group_keys, group_tokens, out,
+                                                      idxs)
+            else:  # numpy row views: the byte paths take them without a per-block conversion
+                rows = out.numpy()
+                got = client.get_verified_into(namespace, group_keys, group_tokens,
+                                               [rows[i, :nbytes] for i in idxs])
         except LeaseExpired as exc:
             for i in idxs:
                 last_miss[i] = Miss(keys[i], MISS_LEASE_EXPIRED, str(exc))

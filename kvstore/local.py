@@ -1,13 +1,17 @@
 """An in-process store with the full block contract: the embedded store for unit tests.
 
 It keeps encoded blocks (header + checksum) in a dict and verifies every read exactly like a
-remote store, so worker tests exercise the same rejection paths without Ray or gRPC.
+remote store, so worker tests exercise the same rejection paths without Ray or gRPC. With a
+``device``, verified payloads are staged in host rows and moved in one copy, as remote reads
+of a ``ClusterStore`` are (``kvstore.node.device_copy``).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+
+import torch
 
 from kvstore.api import (
     MISS_NOT_FOUND,
@@ -20,6 +24,7 @@ from kvstore.api import (
 from kvstore.block import decode_block, encode_block
 from kvstore.errors import BlockCorrupted, BlockMismatch
 from kvstore.keys import Namespace
+from kvstore.node.device_copy import DeviceRows, StagingPool, target_device
 
 
 class LocalStore:
@@ -30,6 +35,7 @@ class LocalStore:
         self.blocks: dict[bytes, bytearray] = {}
         self.num_gets = 0
         self._lock = threading.Lock()
+        self._staging = StagingPool()
 
     def lookup_prefix(self, namespace: Namespace, keys: Sequence[bytes]) -> PrefixHit:
         with self._lock:
@@ -41,8 +47,10 @@ class LocalStore:
         return PrefixHit(n, [[self.node_id] for _ in range(n)])
 
     def batch_get(
-        self, namespace: Namespace, keys: Sequence[bytes], token_ids: Sequence[TokenIds]
+        self, namespace: Namespace, keys: Sequence[bytes], token_ids: Sequence[TokenIds], *,
+        device: torch.device | str | None = None,
     ) -> list[FetchedBlock | Miss]:
+        target = target_device(device)
         results: list[FetchedBlock | Miss] = []
         for key, tokens in zip(keys, token_ids, strict=True):
             with self._lock:
@@ -56,8 +64,30 @@ class LocalStore:
             except (BlockCorrupted, BlockMismatch) as exc:
                 results.append(Miss.rejected(key, exc))
                 continue
-            results.append(FetchedBlock(key, view.clone(), self.node_id))
+            results.append(FetchedBlock(key, view if target else view.clone(), self.node_id))
+        if target is not None:
+            self._to_device(namespace, results, target)
         return results
+
+    def _to_device(self, namespace: Namespace, results: list[FetchedBlock | Miss],
+                   target: torch.device) -> None:
+        """Replace each verified payload (a view into the stored block) with a view into one
+        ``[n, *payload_shape]`` tensor on ``target``."""
+        rows = DeviceRows(target, len(results), namespace.payload_nbytes)
+        good = [i for i, r in enumerate(results) if isinstance(r, FetchedBlock)]
+        with self._staging.rows(len(results), namespace.payload_nbytes,
+                                pinned=rows.is_cuda) as stage:
+            for i, r in enumerate(results):
+                if isinstance(r, FetchedBlock):
+                    stage[i].copy_(r.payload.reshape(-1).view(torch.uint8))
+            rows.copy_rows(stage, good, good, slice(None))
+            rows.wait()
+        rows.zero([i for i, r in enumerate(results) if isinstance(r, Miss)])
+        rows.wait()
+        payloads = rows.payloads(namespace)
+        for i, r in enumerate(results):
+            if isinstance(r, FetchedBlock):
+                r.payload = payloads[i]
 
     def batch_put(self, namespace: Namespace, blocks: Sequence[BlockPut]) -> None:
         encoded = [
@@ -75,3 +105,4 @@ class LocalStore:
 
     def close(self) -> None:
         self.blocks.clear()
+        self._staging.close()

@@ -17,11 +17,8 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from kvstore.block import verify_block
 from kvstore.config import ClientConfig
 from kvstore.errors import (
-    BlockCorrupted,
-    BlockMismatch,
     KVStoreError,
     LeaseExpired,
     NodeUnavailable,
@@ -29,11 +26,14 @@ from kvstore.errors import (
 )
 from kvstore.keys import Namespace
 from kvstore.node.bulk import BulkClient
+from kvstore.node.device_copy import DeviceRows, StagingPool
+from kvstore.node.device_reads import shm_into_device, staged_into_device
 from kvstore.node.lease_releases import LeaseReleases
 from kvstore.node.pool import BlockLocation
 from kvstore.node.put_wire import BATCH_BYTES, UNARY_PUT_BYTES, encode_put_batch, put_messages
 from kvstore.node.replies import HeldBlock, LeaseInfo, NodeHealth, NodeStats, PutResult
-from kvstore.node.shm_reader import copy_then_verify, detached, is_small_batch
+from kvstore.node.shm_reader import copy_then_verify, copy_verified_batch, is_small_batch
+from kvstore.node.verify_pool import verify_landed
 from kvstore.node.wire import (
     AUTH_HEADER,
     error_from_rpc,
@@ -83,6 +83,7 @@ class StoreNodeClient:
                                 pipeline_depth=cfg.bulk_pipeline_depth) if bulk_address else None
         self._shm: Any = None
         self._shm_lock = threading.Lock()
+        self._staging = StagingPool()  # host rows remote blocks land in on their way to a device
         # Finished leases, released by the next lease call or soon after (release_nowait).
         self._releases = LeaseReleases(lambda lease_id: self.release(lease_id),
                                        lambda: RELEASE_DELAY_S)
@@ -259,8 +260,9 @@ class StoreNodeClient:
 
         Per key: the block's size (verified: header, tokens, checksum), the ``BlockCorrupted``
         / ``BlockMismatch`` / ``NamespaceMismatch`` that rejected it, or None (not held).
-        Same node this is one pass over the bytes (copy and hash together); remote blocks
-        are verified after they land, since the wire, not memory, is then the bound.
+        Same node each block is copied and its copy hashed while cache-hot, the batch's blocks
+        spread over the verify pool's threads; remote blocks are verified after they land
+        (over the same threads), a request while the next one streams.
         """
         if not len(keys) == len(token_ids) == len(buffers):
             raise ValueError(f"{len(keys)} keys, {len(token_ids)} token lists and "
@@ -269,25 +271,41 @@ class StoreNodeClient:
         if self.same_node:
             return self._shm_get_into(keys, buffers, namespace, token_ids)
         out: list[int | KVStoreError | None] = [None] * len(keys)
+        views = [_byte_view(b) for b in buffers]
 
         def verify(lo: int, sizes: Sequence[int | None]) -> None:
-            for i, size in enumerate(sizes, lo):
-                if size is None:
-                    continue
-                try:
-                    verify_block(_byte_view(buffers[i])[:size], namespace, keys[i], token_ids[i])
-                except (BlockCorrupted, BlockMismatch) as exc:  # NamespaceMismatch included
-                    out[i] = exc
-                    continue
-                out[i] = size
+            hi = lo + len(sizes)
+            out[lo:hi] = verify_landed(namespace, keys[lo:hi], token_ids[lo:hi], views[lo:hi],
+                                       sizes)
 
         if self._bulk is not None:
             # Verified request by request, while the node already streams the next one.
-            self._bulk.fetch_into(keys, lambda i, n: _byte_view(buffers[i]), verify,
-                                  namespace=namespace)
+            self._bulk.fetch_into(keys, lambda i, n: views[i], verify, namespace=namespace)
         else:
             verify(0, self.get_blocks_into(keys, buffers, namespace))
         return out
+
+    def get_verified_into_device(self, namespace: Namespace, keys: Sequence[bytes],
+                                 token_ids: Sequence[Any], sink: DeviceRows, rows: Sequence[int]
+                                 ) -> list[int | KVStoreError | None]:
+        """``get_verified_into`` for a device: block ``i``'s payload goes to row ``rows[i]`` of
+        ``sink`` (``kvstore.node.device_reads``: same node straight from the page-locked arena,
+        verified beside the copy; otherwise through reused host staging rows, one copy per
+        batch). Copies have landed when this returns; a rejected block's row holds no bytes
+        of it. Verdicts as ``get_verified_into``'s."""
+        if not len(keys) == len(token_ids) == len(rows):
+            raise ValueError(f"{len(keys)} keys, {len(token_ids)} token lists and "
+                             f"{len(rows)} rows: one of each per block")
+        keys = [bytes(k) for k in keys]
+        if self.same_node:
+            return self._leased(keys, namespace, lambda reader, where, keep_alive: shm_into_device(
+                reader, where, keys, token_ids, namespace, sink, rows, keep_alive, self._staging))
+
+        def land(lo: int, hi: int, stage: Any) -> tuple[list[Any], range]:
+            return self.get_verified_into(namespace, keys[lo:hi], token_ids[lo:hi],
+                                          list(stage.numpy())), range(hi - lo)
+
+        return staged_into_device(land, len(keys), namespace, sink, rows, self._staging)
 
     def _shm_get_into(self, keys: list[bytes], buffers: Sequence[Buffer],
                       namespace: Namespace | None = None,
@@ -296,40 +314,41 @@ class StoreNodeClient:
         """Lease, copy each block once out of the holder's arena (verifying it in the same
         pass when ``namespace`` is given), then release without waiting for the reply.
         ``scope``: the namespace the lease is asked in (default ``namespace``)."""
+
+        def read(reader: Any, where: dict[bytes, BlockLocation],
+                 keep_alive: Callable[[], None]) -> list[Any]:
+            if namespace is not None and is_small_batch(where, namespace):
+                return copy_then_verify(reader, where, keys, buffers, namespace, token_ids,
+                                        keep_alive)
+            return copy_verified_batch(reader, where, keys, buffers, namespace, token_ids,
+                                       keep_alive)
+
+        return self._leased(keys, scope or namespace, read)
+
+    def _leased(self, keys: list[bytes], namespace: Namespace | None,
+                read: Callable[[Any, dict[bytes, BlockLocation], Callable[[], None]], list[Any]]
+                ) -> list[Any]:
+        """``read(reader, locations, keep_alive)`` under a lease on ``keys`` (asked in
+        ``namespace``), which is released without waiting once ``read`` returns; LeaseExpired
+        if the lease may have ended before ``read`` was done with the arena."""
         granted = [time.monotonic()]  # before the call: the node's clock starts no earlier
-        lease = self.lease(keys, self.lease_ttl_s, namespace=scope or namespace)
+        lease = self.lease(keys, self.lease_ttl_s, namespace=namespace)
+        renewal = threading.Lock()
 
         def keep_alive() -> None:
             # Renew inline, between blocks, once a third of the TTL has gone: a block copies
             # in milliseconds, and a renewal thread per fetch would cost more than it saves.
-            if time.monotonic() - granted[0] > self.lease_ttl_s / 3:
-                renewing = time.monotonic()
-                self._renew_or_lost(lease.lease_id)
-                granted[0] = renewing
+            # Blocks copy on several threads: one of them renews, the others see it done.
+            if time.monotonic() - granted[0] <= self.lease_ttl_s / 3:
+                return
+            with renewal:
+                if time.monotonic() - granted[0] > self.lease_ttl_s / 3:
+                    renewing = time.monotonic()
+                    self._renew_or_lost(lease.lease_id)
+                    granted[0] = renewing
 
         try:
-            reader = self._reader()
-            where = {loc.key: loc for loc in lease.locations}
-            out: list[Any] = []
-            if namespace is not None and is_small_batch(where, namespace):
-                out = copy_then_verify(reader, where, keys, buffers, namespace, token_ids,
-                                       keep_alive)
-            else:
-                for i, (key, buf) in enumerate(zip(keys, buffers, strict=True)):
-                    keep_alive()
-                    loc = where.get(key)
-                    if loc is None:
-                        out.append(None)
-                    elif namespace is None:
-                        out.append(reader.copy_into(loc, buf))
-                    else:
-                        tokens = None if token_ids is None else token_ids[i]
-                        try:
-                            reader.copy_verified_into(loc, buf, namespace, tokens)
-                        except (BlockCorrupted, BlockMismatch) as exc:
-                            out.append(detached(exc))
-                            continue
-                        out.append(loc.nbytes)
+            out = read(self._reader(), {loc.key: loc for loc in lease.locations}, keep_alive)
             if time.monotonic() - granted[0] >= self.lease_ttl_s:  # stalled past the TTL
                 raise LeaseExpired(f"lease {lease.lease_id} on {self.address} ended mid-copy")
             return out
@@ -434,6 +453,7 @@ class StoreNodeClient:
         """Close the channel, idle bulk connections and the shared-memory mapping."""
         self._releases.close()  # let queued releases land rather than leave leases to expire
         self._channel.close()
+        self._staging.close()
         if self._bulk is not None:
             self._bulk.close()
         with self._shm_lock:

@@ -1,10 +1,12 @@
 """Same-node reads: map a pool's arena file read-only and copy leased blocks out of it.
 
 The protocol (wired by the server and client): ask the node for a ``Lease`` over the keys,
-``copy_verified_into`` each ``BlockLocation`` into memory the reader owns, then release the
-lease. The lease is what keeps the bytes from being reused while they are copied; the tag
-(checksum or MAC) is computed over the copy, so what enters the model is exactly what was
-verified.
+``copy_verified_into`` each ``BlockLocation`` into memory the reader owns (a batch's blocks
+spread over the verify pool's threads: ``copy_verified_batch``), then release the lease. The
+lease is what keeps the bytes from being reused while they are copied; the tag (checksum or
+MAC) is computed over the copy, so what enters the model is exactly what was verified. (A
+device read verifies the leased bytes themselves while they are copied to the device, and
+checks the lease after: ``kvstore.node.device_reads``.)
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import hmac
 import mmap
 import os
+import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,12 +26,16 @@ from kvstore.block import BlockHeader, block_nbytes, payload_offset, tag_hasher,
 from kvstore.block_batch import verify_blocks
 from kvstore.errors import BlockCorrupted, BlockMismatch
 from kvstore.keys import Namespace
+from kvstore.node import device_copy
 from kvstore.node.pool import BlockLocation
+from kvstore.node.verify_pool import parallel_map
 
-# Copy and hash in pieces small enough to stay in L2, so the hash reads cache-hot bytes and
-# copy + verify costs little more than the copy alone. 512 KiB measured ~4% faster than 256 KiB
-# on the dev box (1 MiB L2 per core): fewer Python round trips per 2 MiB block.
-_CHUNK = 512 * 1024
+# Copy, then hash the copy, in pieces that stay in the last-level cache, so the hash reads
+# cache-hot bytes. Not smaller: out of the arena mapping (4 KiB tmpfs pages) copies under 1 MiB
+# ran at ~7 GB/s on the dev box against ~14 GB/s for 1 MiB and up (glibc copies with
+# `rep movsb` below its 1 MiB rep_movsb_stop_threshold, slow here; above it, vector loads), so
+# the 512 KiB pieces used before halved a same-node read. A 2 MiB block is one piece.
+_CHUNK = 4 << 20
 
 
 Buffer = memoryview | bytearray | torch.Tensor | np.ndarray
@@ -71,6 +79,9 @@ class ShmReader:
             os.close(fd)
         self.path = path
         self._arr = np.frombuffer(self._mm, dtype=np.uint8)
+        self._tensor: torch.Tensor | None = None
+        self._pinned: bool | None = None  # page-locked for DMA: unknown until a CUDA read
+        self._lock = threading.Lock()
 
     def _src(self, location: BlockLocation) -> np.ndarray:
         if location.offset < 0 or location.nbytes <= 0 or (
@@ -86,6 +97,26 @@ class ShmReader:
         """A read-only view of ``[offset, offset + nbytes)``: valid only under a lease on every
         block in it (the bulk server sends from it: one copy into the socket, no sendfile)."""
         return memoryview(self._src(BlockLocation(b"", offset, nbytes)))  # type: ignore[arg-type]
+
+    def tensor(self, offset: int, nbytes: int) -> torch.Tensor:
+        """``[offset, offset + nbytes)`` as a uint8 CPU tensor view (never written: the pages
+        are read-only), for copies to a device; valid only under a lease on its blocks."""
+        self._src(BlockLocation(b"", offset, nbytes))  # bounds
+        with self._lock:
+            if self._tensor is None:
+                with warnings.catch_warnings():  # "not writable": torch has no read-only flag
+                    warnings.simplefilter("ignore", UserWarning)
+                    self._tensor = torch.from_numpy(self._arr)
+            return self._tensor[offset : offset + nbytes]
+
+    def pin_for_dma(self) -> bool:
+        """Page-lock the whole mapping once (``cudaHostRegister``, read-only), so CUDA copies
+        read blocks straight out of it; False if the driver refused (then reads stage)."""
+        with self._lock:
+            if self._pinned is None:
+                self._pinned = device_copy.register_host(self._arr.ctypes.data, self.size,
+                                                         f"pool arena {self.path}")
+            return self._pinned
 
     def copy_into(self, location: BlockLocation, dst: Buffer) -> int:
         """Copy one block's bytes to the start of ``dst``; returns the bytes copied."""
@@ -158,6 +189,10 @@ class ShmReader:
         """Unmap the arena (arrays handed out by ``copy_into`` are the caller's own memory)."""
         if self._mm.closed:
             return
+        if self._pinned:
+            device_copy.unregister_host(self._arr.ctypes.data)
+            self._pinned = False
+        self._tensor = None
         self._arr = np.empty(0, dtype=np.uint8)  # drop our export so the map can close
         self._mm.close()
 
@@ -184,38 +219,83 @@ def is_small_batch(where: dict[bytes, BlockLocation], namespace: Namespace) -> b
         and all(loc.nbytes == nbytes for loc in where.values())
 
 
-def copy_then_verify(reader: Any, where: dict[bytes, BlockLocation], keys: list[bytes],
-                      buffers: Sequence[Buffer], namespace: Namespace,
-                      token_ids: Sequence[Any] | None, keep_alive: Callable[[], None]
-                      ) -> list[Any]:
-    """A same-node read's verdicts for a batch of small blocks (``where``: their leased
-    locations): each block gathered into one staging array, the batch verified at once, the
-    good ones copied to their buffers; per key its size, a detached BlockCorrupted /
-    BlockMismatch, or None (not held). ``keep_alive`` runs between gathers (lease renewal)."""
-    present = [i for i, k in enumerate(keys) if k in where]
+def gather_verified(reader: Any, where: dict[bytes, BlockLocation], keys: list[bytes],
+                    stage: np.ndarray, namespace: Namespace, token_ids: Sequence[Any] | None,
+                    keep_alive: Callable[[], None]) -> tuple[list[int], list[Any]]:
+    """Small blocks of one lease gathered into the rows of ``stage`` (a slice copy each) and
+    verified as a batch (``verify_blocks``): returns the indices of the keys held, in order (row
+    ``j`` of ``stage`` is key ``held[j]``), and per held key its parent key (verified) or a
+    detached BlockCorrupted / BlockMismatch. ``keep_alive`` runs between gathers."""
+    held = [i for i, k in enumerate(keys) if k in where]
     nbytes = block_nbytes(namespace)
-    stage = np.empty((len(present), nbytes), dtype=np.uint8)
+    if stage.shape[0] < len(held) or stage.shape[1] != nbytes:
+        raise ValueError(f"stage must be a [>= {len(held)}, {nbytes}] uint8 array")
     step = max(1, GATHER_BYTES // nbytes)
-    for lo in range(0, len(present), step):
+    for lo in range(0, len(held), step):
         keep_alive()  # the lease outlives the copy (renewed once a third of it is gone)
-        reader.gather_into([where[keys[i]] for i in present[lo : lo + step]],
-                           stage[lo : lo + step])
-    verdicts = verify_blocks(stage, namespace, [keys[i] for i in present],
-                             None if token_ids is None else [token_ids[i] for i in present])
-    out: list[Any] = [None] * len(keys)
-    for row, i, verdict in zip(stage, present, verdicts, strict=True):
+        reader.gather_into([where[keys[i]] for i in held[lo : lo + step]],
+                           stage[lo : min(lo + step, len(held))])
+    verdicts: list[Any] = verify_blocks(
+        stage[: len(held)], namespace, [keys[i] for i in held],
+        None if token_ids is None else [token_ids[i] for i in held])
+    for j, verdict in enumerate(verdicts):
         if isinstance(verdict, (BlockCorrupted, BlockMismatch)):
-            out[i] = detached(verdict)
+            verdicts[j] = detached(verdict)
         elif isinstance(verdict, Exception):
             raise verdict
-        else:
-            dst = as_uint8_array(buffers[i])
-            if dst.size < nbytes:
-                raise ValueError(f"destination of {dst.size} bytes is too small for a "
-                                 f"{nbytes}-byte block")
-            dst[:nbytes] = row
-            out[i] = nbytes
+    return held, verdicts
+
+
+def copy_then_verify(reader: Any, where: dict[bytes, BlockLocation], keys: list[bytes],
+                     buffers: Sequence[Buffer], namespace: Namespace,
+                     token_ids: Sequence[Any] | None, keep_alive: Callable[[], None]
+                     ) -> list[Any]:
+    """A same-node read's verdicts for a batch of small blocks (``where``: their leased
+    locations): gathered into one staging array and verified at once (``gather_verified``),
+    the good ones copied to their buffers; per key its size, a detached BlockCorrupted /
+    BlockMismatch, or None (not held)."""
+    nbytes = block_nbytes(namespace)
+    stage = np.empty((sum(k in where for k in keys), nbytes), dtype=np.uint8)
+    held, verdicts = gather_verified(reader, where, keys, stage, namespace, token_ids,
+                                     keep_alive)
+    out: list[Any] = [None] * len(keys)
+    for row, i, verdict in zip(stage, held, verdicts, strict=True):
+        if isinstance(verdict, Exception):
+            out[i] = verdict
+            continue
+        dst = as_uint8_array(buffers[i])
+        if dst.size < nbytes:
+            raise ValueError(f"destination of {dst.size} bytes is too small for a "
+                             f"{nbytes}-byte block")
+        dst[:nbytes] = row
+        out[i] = nbytes
     return out
+
+
+def copy_verified_batch(reader: ShmReader, where: dict[bytes, BlockLocation], keys: list[bytes],
+                        buffers: Sequence[Buffer], namespace: Namespace | None,
+                        token_ids: Sequence[Any] | None, keep_alive: Callable[[], None]
+                        ) -> list[Any]:
+    """A same-node read's verdicts for blocks copied one by one (``copy_verified_into``; with
+    no ``namespace``, ``copy_into`` unverified), the blocks spread over the verify pool's
+    threads: per key its size, a detached BlockCorrupted / BlockMismatch, or None (not held).
+    ``keep_alive`` runs before each block, on whichever thread copies it."""
+
+    def one(i: int) -> Any:
+        keep_alive()
+        loc = where.get(keys[i])
+        if loc is None:
+            return None
+        if namespace is None:
+            return reader.copy_into(loc, buffers[i])
+        try:
+            reader.copy_verified_into(loc, buffers[i], namespace,
+                                      None if token_ids is None else token_ids[i])
+        except (BlockCorrupted, BlockMismatch) as exc:
+            return detached(exc)
+        return loc.nbytes
+
+    return parallel_map(one, len(keys), nbytes=sum(loc.nbytes for loc in where.values()))
 
 
 def detached(exc: BaseException) -> BaseException:
