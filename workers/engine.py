@@ -258,7 +258,10 @@ class Engine:
                 results = self.store.batch_get(
                     namespace, [keys[i] for i in wanted],
                     [self._block_tokens(tokens, i) for i in wanted],
-                    **({} if self.device.type == "cpu" else {"device": self.device}))
+                    # Straight to our device (the store's DMA path; "cpu" runs the same code
+                    # in CI); a device the store cannot write (an NPU) gets host payloads.
+                    **({"device": self.device} if self.device.type in ("cpu", "cuda")
+                       else {}))
             except KVStoreError as exc:  # the store is a cache: losing it means recomputing
                 fetch.misses.append(f"{MISS_NODE_UNAVAILABLE}: {exc}")
                 results = []
@@ -273,7 +276,7 @@ class Engine:
                 if r is not None:
                     fetch.misses.append(r.reason)
                 break
-            fetch.payloads.append(r.payload)
+            fetch.payloads.append(r.payload.to(self.device, non_blocking=True))
             fetch.nodes.append(r.node_id)
             fetch.bytes_fetched += r.payload.numel() * r.payload.element_size()
         return fetch

@@ -126,6 +126,7 @@ def test_published_kv_is_bitwise_the_canonical_whole_chunks(model, n):
     engine = Engine(model, store, make_config())
     longer = make_prompt(128)
     pre = engine.prefill(longer[:n])
+    engine.wait_published()
     cache = model.new_cache()
     for pos in range(0, 128, CHUNK):
         model.forward(longer[pos:pos + CHUNK], cache, pad_keys_to=pos + CHUNK)
