@@ -24,17 +24,14 @@ plumbing, not figures).
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from benchmarks.common import parse_args, report
+from benchmarks.transfer_support import start_node_process
 from kvstore.api import FetchedBlock, Miss, NodeAddress, PrefixHit, TokenIds
 from kvstore.block import block_nbytes
 from kvstore.cluster_store import ClusterStore
@@ -46,20 +43,6 @@ from workers.engine import Engine, PrefillResult
 from workers.model import CausalLM, load_model
 from workers.sampling import SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
-SERVER = """
-import sys
-from kvstore.config import ServerConfig
-from kvstore.node.pool import BlockPool
-from kvstore.node.server import StoreServer
-pool = BlockPool(int(sys.argv[1]))
-srv = StoreServer(pool, "gpu-bench", ServerConfig(max_workers=8))
-g, b = srv.start()
-print(g, b, pool.path, flush=True)
-sys.stdin.read()
-srv.stop(0)
-pool.close()
-"""
 FIRST_TOKEN = SamplingParams(max_new_tokens=1)
 
 
@@ -94,16 +77,6 @@ class PinnedBlocks:
 
     def close(self) -> None:
         pass
-
-
-def start_node(capacity: int) -> tuple[subprocess.Popen[str], NodeAddress]:
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(capacity)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.stdout is not None
-    grpc_port, bulk_port, shm_path = proc.stdout.readline().split()
-    return proc, NodeAddress("gpu-bench", f"127.0.0.1:{grpc_port}", f"127.0.0.1:{bulk_port}",
-                             shm_path)
 
 
 def sync(device: torch.device) -> None:
@@ -212,7 +185,7 @@ def main() -> None:
     kv_per_token = model.shape.num_layers * 2 * model.shape.num_kv_heads * \
         model.shape.head_dim * torch.finfo(torch.bfloat16 if gpu else torch.float32).bits // 8
     capacity = sum(lengths) * kv_per_token * 3 // 2 + (256 << 20)
-    proc, node = start_node(capacity)
+    proc, node = start_node_process(capacity, "gpu-bench", max_workers=8)
     figures: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if gpu else "cpu",
                                "model_load_s": load_s, "numerics": model.numerics}
     try:

@@ -20,7 +20,6 @@ security costs on the data path; ``--no-secure`` skips it).
 
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import subprocess
@@ -41,9 +40,9 @@ from benchmarks.transfer_support import (
     gbps,
     make_blocks,
     race,
+    start_node_process,
     store_fetch,
 )
-from kvstore.api import NodeAddress
 from kvstore.cluster_store import new_block_buffer
 from kvstore.config import ClientConfig
 from kvstore.index.base import IndexEntry
@@ -55,20 +54,6 @@ from tests.support.redis_server import RedisProcess, start_redis_server
 ROOT = Path(__file__).resolve().parent.parent
 NS_2MIB = Namespace("bench", "float16", 16, 32, 8, 128)  # 2 MiB payload
 NS_64KIB = Namespace("bench", "float16", 16, 1, 8, 128)  # 64 KiB payload
-
-SERVER = """
-import sys, time
-from kvstore.config import ServerConfig
-from kvstore.node.pool import BlockPool
-from kvstore.node.server import StoreServer
-pool = BlockPool(int(sys.argv[1]))
-srv = StoreServer(pool, "bench", ServerConfig(max_workers=4))
-g, b = srv.start()
-print(g, b, pool.path, flush=True)
-sys.stdin.read()
-srv.stop(0)
-pool.close()
-"""
 
 # Per request byte, sends the next `n` bytes of a `total`-byte buffer (wrapping): like the store,
 # it sends distinct, cache-cold memory, not the same cache-hot bytes every time.
@@ -224,14 +209,11 @@ def main() -> None:
     big_nb, small_nb = len(big_blocks[0]), len(small_blocks[0])
     total_big, total_small = big_nb * n_big, small_nb * n_small
     capacity = total_big + total_small + (64 << 20)
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, str(capacity)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.stdout is not None and proc.stdin is not None
-    grpc_port, bulk_port, shm_path = proc.stdout.readline().split()
+    proc, node = start_node_process(capacity)
+    assert proc.stdin is not None
     cfg = ClientConfig(timeout_s=120)
-    grpc_addr, bulk_addr = f"127.0.0.1:{grpc_port}", f"127.0.0.1:{bulk_port}"
-    node = NodeAddress("bench", grpc_addr, bulk_addr, shm_path)
+    grpc_addr, bulk_addr = node.grpc_address, node.bulk_address
+    assert bulk_addr is not None
     redis = start_redis_server()
     tcp_big, tcp_small = RawTcp(32 * big_nb, total_big), RawTcp(32 * small_nb, total_small)
     t: dict[str, float] = {}

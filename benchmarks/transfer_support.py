@@ -7,8 +7,12 @@ blocks and the same timing, so their figures compare.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -19,6 +23,35 @@ from kvstore.config import ClientConfig
 from kvstore.index.base import IndexEntry
 from kvstore.index.memory import InMemoryIndex
 from kvstore.keys import BlockHasher, Namespace
+
+ROOT = Path(__file__).resolve().parent.parent
+# A plain store node in a process of its own (another process, as a worker meets one), until
+# its stdin closes: it prints its gRPC port, bulk port and arena path.
+NODE_SERVER = """
+import sys
+from kvstore.config import ServerConfig
+from kvstore.node.pool import BlockPool
+from kvstore.node.server import StoreServer
+pool = BlockPool(int(sys.argv[1]))
+srv = StoreServer(pool, sys.argv[2], ServerConfig(max_workers=int(sys.argv[3])))
+g, b = srv.start()
+print(g, b, pool.path, flush=True)
+sys.stdin.read()
+srv.stop(0)
+pool.close()
+"""
+
+
+def start_node_process(capacity: int, node_id: str = "bench", max_workers: int = 4
+                       ) -> tuple[subprocess.Popen[str], NodeAddress]:
+    """A store node of ``capacity`` bytes in another process; close its stdin to stop it."""
+    proc = subprocess.Popen([sys.executable, "-c", NODE_SERVER, str(capacity), node_id,
+                             str(max_workers)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout is not None
+    grpc_port, bulk_port, shm_path = proc.stdout.readline().split()
+    return proc, NodeAddress(node_id, f"127.0.0.1:{grpc_port}", f"127.0.0.1:{bulk_port}",
+                             shm_path)
 
 
 def make_blocks(ns: Namespace, num: int) -> tuple[list[bytes], list[bytearray]]:

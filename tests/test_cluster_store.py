@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -25,6 +24,7 @@ from kvstore.index.memory import InMemoryIndex
 from kvstore.node.pool import BlockPool
 from kvstore.node.server import StoreServer
 from tests.node.test_server import make_blocks, make_namespace
+from tests.support.arena import corrupt_in_arena
 
 FAST = ClientConfig(timeout_s=5, retries=1)
 
@@ -83,16 +83,7 @@ def test_every_failure_is_a_miss_with_a_reason(cluster) -> None:
     writer.batch_put(ns, puts)
     keys = [p.key for p in puts]
     # Corrupt block 0 inside node-a's arena (flip the last payload byte).
-    pool_a = nodes["node-a"][1]
-    lease = pool_a.lease([keys[0]], 5)
-    loc = lease.locations[0]
-    fd = os.open(pool_a.path, os.O_RDWR)
-    try:
-        last = loc.offset + loc.nbytes - 1
-        os.pwrite(fd, bytes([os.pread(fd, 1, last)[0] ^ 0xFF]), last)
-    finally:
-        os.close(fd)
-    pool_a.release(lease.lease_id)
+    corrupt_in_arena(nodes["node-a"][1], keys[0])
     wrong_tokens = [tokens[0], [t + 1 for t in tokens[1]], tokens[2]]
     unknown = b"\5" * 32
     got = store.batch_get(ns, [*keys, unknown], [*wrong_tokens, tokens[0]])

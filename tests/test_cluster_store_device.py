@@ -10,7 +10,6 @@ the ``gpu`` tests run the same with ``device="cuda"`` where there is one.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ from kvstore.node.pool import BlockPool
 from kvstore.node.server import StoreServer
 from kvstore.node.shm_reader import SMALL_BLOCK_BYTES
 from tests.node.test_server import make_blocks
+from tests.support.arena import corrupt_in_arena
 
 FAST = ClientConfig(timeout_s=5, retries=1)
 DATA_KEY = b"device-read-tests-cluster-data-key"
@@ -106,19 +106,6 @@ def publish(cluster: Cluster, ns: Namespace) -> tuple[list[BlockPut], list[list[
     writer.batch_put(ns, puts)
     writer.close()
     return puts, tokens
-
-
-def corrupt_in_arena(pool: BlockPool, key: bytes) -> None:
-    """Flip the block's last payload byte in the node's arena file (the tag no longer fits)."""
-    lease = pool.lease([key], 5)
-    loc = lease.locations[0]
-    fd = os.open(pool.path, os.O_RDWR)
-    try:
-        last = loc.offset + loc.nbytes - 1
-        os.pwrite(fd, bytes([os.pread(fd, 1, last)[0] ^ 0xFF]), last)
-    finally:
-        os.close(fd)
-    pool.release(lease.lease_id)
 
 
 def check_device_batch(got: list[FetchedBlock | Miss], want: list[torch.Tensor | str],

@@ -24,6 +24,7 @@ from kvstore.node.device_copy import DeviceRows, StagingPool, register_host, tar
 from kvstore.node.pool import BlockPool
 from kvstore.node.shm_reader import ShmReader
 from tests.node.test_server import make_blocks
+from tests.support.arena import corrupt_in_arena
 
 LARGE = Namespace("test-model", "float16", 16, 24, 2, 128)  # 384 KiB payloads: block by block
 SMALL = Namespace("test-model", "float16", 16, 2, 2, 8)  # 2 KiB payloads: a batch at a time
@@ -154,16 +155,6 @@ def arena() -> Iterator[tuple[BlockPool, ShmReader]]:
     assert not os.path.exists(pool.path)
 
 
-def corrupt(pool: BlockPool, key: bytes) -> None:
-    loc = pool.lease([key], 5).locations[0]
-    fd = os.open(pool.path, os.O_RDWR)
-    try:
-        last = loc.offset + loc.nbytes - 1
-        os.pwrite(fd, bytes([os.pread(fd, 1, last)[0] ^ 0xFF]), last)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("way", ["direct", "staged"])
 @pytest.mark.parametrize("ns", [LARGE, SMALL], ids=["large", "small"])
 def test_shm_into_device_rows(arena, monkeypatch, ns: Namespace, way: str) -> None:
@@ -171,7 +162,7 @@ def test_shm_into_device_rows(arena, monkeypatch, ns: Namespace, way: str) -> No
     keys, tokens, blocks = make_blocks(ns, 4, seed=5)
     for key, block in zip(keys, blocks, strict=True):
         pool.put(key, block)
-    corrupt(pool, keys[1])
+    corrupt_in_arena(pool, keys[1])
     asked = [tokens[0], tokens[1], [t + 1 for t in tokens[2]], tokens[3]]
     lease = pool.lease(keys[:3], 30)  # keys[3] is "not held": left out of the lease
     where = {loc.key: loc for loc in lease.locations}
@@ -216,7 +207,7 @@ def test_cuda_shm_into_device_rows(arena, monkeypatch, way: str) -> None:
     keys, tokens, blocks = make_blocks(LARGE, 3, seed=6)
     for key, block in zip(keys, blocks, strict=True):
         pool.put(key, block)
-    corrupt(pool, keys[1])
+    corrupt_in_arena(pool, keys[1])
     lease = pool.lease(keys, 30)
     where = {loc.key: loc for loc in lease.locations}
     if way == "staged":

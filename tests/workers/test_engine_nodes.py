@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvstore.config import WorkerConfig
-from tests.test_cluster_store_device import DATA_KEY, corrupt_in_arena
+from tests.support.arena import corrupt_in_arena
+from tests.test_cluster_store_device import DATA_KEY
 from tests.test_cluster_store_device import make_cluster as make_cluster  # noqa: F401 (fixture)
 from workers.engine import Engine
 from workers.model import load_model
