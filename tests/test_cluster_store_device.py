@@ -191,21 +191,24 @@ def test_device_none_and_empty_batches(make_cluster) -> None:
     store.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("keyed", [False, True], ids=["xxh3", "mac"])
-def test_local_store_device_reads(keyed: bool) -> None:
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_local_store_device_reads(keyed: bool, size: str, device: str) -> None:
     store = LocalStore()
-    ns = make_namespace("small", keyed)
+    ns = make_namespace(size, keyed)
     keys, tokens, blocks = make_blocks(ns, 3, seed=1)
     parents = [ns.root, *keys[:-1]]
     store.batch_put(ns, [BlockPut(k, p, t, payload_view(b, ns).clone())
                          for k, p, t, b in zip(keys, parents, tokens, blocks, strict=True)])
     store.corrupt(keys[1])
     plain = store.batch_get(ns, keys, tokens)
-    got = store.batch_get(ns, keys, tokens, device="cpu")
+    got = store.batch_get(ns, keys, tokens, device=device)
     assert isinstance(plain[1], Miss) and plain[1].reason == MISS_CORRUPTED
     want: list[torch.Tensor | str] = [
-        p.payload if isinstance(p, FetchedBlock) else p.reason for p in plain]
-    check_device_batch(got, want, ns, torch.device("cpu"))
+        p.payload.to(device) if isinstance(p, FetchedBlock) else p.reason for p in plain]
+    check_device_batch(got, want, ns, torch.device(device) if device == "cpu"
+                       else torch.device("cuda", torch.cuda.current_device()))
 
 
 # -- on a CUDA device (skipped without one) ------------------------------------------------------
@@ -223,23 +226,6 @@ def test_cuda_reads_equal_cpu_reads_and_bad_blocks_miss(make_cluster, monkeypatc
     plain = read(cluster, path, ns, keys, asked, None, monkeypatch)  # device=None, then moved
     want = [p.payload.cuda() if isinstance(p, FetchedBlock) else w
             for p, w in zip(plain, want, strict=True)]
-    check_device_batch(got, want, ns, torch.device("cuda", torch.cuda.current_device()))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("keyed", [False, True], ids=["xxh3", "mac"])
-def test_cuda_local_store_reads(keyed: bool) -> None:
-    store = LocalStore()
-    ns = make_namespace("large", keyed)
-    keys, tokens, blocks = make_blocks(ns, 3, seed=2)
-    parents = [ns.root, *keys[:-1]]
-    store.batch_put(ns, [BlockPut(k, p, t, payload_view(b, ns).clone())
-                         for k, p, t, b in zip(keys, parents, tokens, blocks, strict=True)])
-    store.corrupt(keys[2])
-    plain = store.batch_get(ns, keys, tokens)
-    got = store.batch_get(ns, keys, tokens, device="cuda")
-    want: list[torch.Tensor | str] = [
-        p.payload.cuda() if isinstance(p, FetchedBlock) else p.reason for p in plain]
     check_device_batch(got, want, ns, torch.device("cuda", torch.cuda.current_device()))
 
 
