@@ -174,7 +174,8 @@ def main() -> None:
         return
     gpu = device.type == "cuda"
     preset = "llama3-8b" if gpu else "tiny"
-    lengths = ((4096, 16384) if not args.quick else (4096,)) if gpu else (256, 512)
+    lengths = ((4096, 16384) if not args.quick else (4096,)) if gpu else \
+        ((256, 512) if not args.quick else (256,))
     config = WorkerConfig(model=preset, block_size=16, prefill_chunk_tokens=512 if gpu else 64,
                           device=str(device), dtype="bfloat16" if gpu else "float32",
                           attn_implementation="sdpa" if gpu else "eager")
@@ -190,7 +191,7 @@ def main() -> None:
                                "model_load_s": load_s, "numerics": model.numerics}
     try:
         Engine(model, None, config).prefill([7] * 600, sampling=FIRST_TOKEN)  # warm-up
-        repeats = 2 if args.quick else 4
+        repeats = (2 if gpu else 1) if args.quick else 4
         equal = True
         for n in lengths:
             label = f"{n // 1024}k" if gpu else str(n)

@@ -34,7 +34,7 @@ def test_the_cpu_smoke_run_measures_every_step_and_outputs_are_equal(tmp_path: P
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads(out.read_text())
     assert figures["outputs_equal"] == 1.0
-    for n in (256, 512):
+    for n in (256,):
         for key in ("ratio_cold_vs_warm_ttft", "ratio_warm_vs_floor", "cold_ttft_s",
                     "warm_ttft_remote_s", "publish_background_s"):
             assert figures[f"{key}_{n}"] > 0
