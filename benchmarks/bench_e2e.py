@@ -119,11 +119,13 @@ def main() -> None:
                for i in range(num_requests + 1)]
 
     cold = prefill.prefill(prompts[0], sampling=sampling, request_id="cold")
+    prefill.wait_published()  # the warm requests below measure reuse of all of it
     warm_ttft, fetched_tps, local_tps, bytes_per_request, matches = [], [], [], [], []
     for i, prompt in enumerate(prompts[1:]):
         pre = prefill.prefill(prompt, sampling=sampling, request_id=f"p{i}")
+        # As a decode replica does: wait for the blocks the prefill queued, then fetch them.
         dec = decode.decode(prompt, pre.first_token, tail=pre.tail, sampling=sampling,
-                            request_id=f"d{i}")
+                            request_id=f"d{i}", wait_for_blocks=pre.num_prefix_blocks)
         _, local = Engine(model, None, config).generate(prompt, sampling=sampling,
                                                         request_id=f"l{i}")
         warm_ttft.append(pre.ttft_s)

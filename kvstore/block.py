@@ -221,7 +221,12 @@ def encode_block_into(
     if view.readonly:
         raise ValueError("block buffer must be writable")
     dst = payload_view(view, namespace)
-    dst.copy_(payload.detach().to("cpu"))
+    # A numpy copy, not torch's copy_: encoding runs on background threads (a worker's
+    # publisher), and a parallel torch op there starts an OpenMP team of that thread whose
+    # spinning workers slowed the model's next forward by ~20% on a 2-core box.
+    np.copyto(dst.view(torch.uint8).numpy(),
+              payload.detach().to("cpu").contiguous().view(torch.uint8).numpy().reshape(
+                  dst.shape[:-1] + (-1,)))
     off = payload_offset(namespace)
     digest = payload_tag(namespace, key, view[off : off + namespace.payload_nbytes])
     header = _header_for(namespace, key, parent_key, token_bytes, digest).pack()
