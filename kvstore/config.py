@@ -257,27 +257,20 @@ class SecurityConfig:
 #: ``--no-cache``, at block granularity where the probe allows), ``block`` (any block boundary,
 #: approximate where the probe fails), ``chunk`` (whole chunks only: the previous policy).
 ReuseMode = Literal["exact", "block", "chunk"]
-#: What a publish does when its backlog is full: wait for room (the request waits) or drop
-#: the blocks (a later request recomputes them), counted by a metric either way.
-PublishWhenFull = Literal["wait", "drop"]
+PublishWhenFull = Literal["wait", "drop"]  # a full publish backlog: wait for room, or drop
 
 
 @dataclass(slots=True)
 class WorkerConfig:
-    """Model and engine settings of prefill/decode workers."""
+    """Model and engine settings of prefill/decode workers (docs/configuration.md). ``auto``
+    device, dtype and attention resolve where the model loads (``workers.device``)."""
 
     model: str = "tiny"
     seed: int = 0
-    #: ``auto``: bfloat16 on an accelerator, float32 on the CPU (workers.device).
     dtype: str = "auto"
-    #: ``auto``: the first CUDA device, else the CPU; or any torch device string.
     device: str = "auto"
-    #: ``auto``: sdpa on an accelerator, eager on the CPU; or ``eager`` / ``sdpa``.
     attn_implementation: str = "auto"
-    #: ``auto``: the namespace carries the writer's numerics tag (bitwise reuse only between
-    #: workers computing alike); ``portable``: no tag, blocks shared across hardware
-    #: (numerically close, not bitwise); any other string: that tag, given literally.
-    numerics: str = "auto"
+    numerics: str = "auto"  # auto (tagged), portable (no tag) or a tag given literally
     block_size: int = 16
     prefill_chunk_tokens: int = 256
     reuse: ReuseMode = "exact"
@@ -285,13 +278,9 @@ class WorkerConfig:
     cache_salt: str = ""
     max_new_tokens: int = 16
     request_timeout_s: float = 300.0
-    #: Blocks waiting to be published (copied off the device, encoded, put) at most; past it
-    #: ``publish_when_full`` decides. 0 publishes on the request's own thread (no backlog).
-    publish_backlog_blocks: int = 8192
+    publish_backlog_blocks: int = 8192  # 0: publish on the request's own thread
     publish_when_full: PublishWhenFull = "wait"
-    #: How long a decode waits for a prefill's queued blocks to become visible before it
-    #: recomputes the ones still missing.
-    publish_wait_s: float = 10.0
+    publish_wait_s: float = 10.0  # a decode waiting for a prefill's queued blocks
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, "worker.block_size must be > 0")
