@@ -24,20 +24,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
 from kvstore import metrics
-from kvstore.api import MISS_NODE_UNAVAILABLE, BlockPut, FetchedBlock, KVStore, Miss, TokenIds
+from kvstore.api import KVStore, TokenIds
 from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError, KVStoreError, RequestCancelled
-from kvstore.keys import BlockHasher, Namespace
+from kvstore.keys import BlockHasher
+from workers.block_io import BlockIO
 from workers.model import CausalLM
 from workers.paged_kv import gather_blocks, scatter_blocks
-from workers.publish import BackgroundPublisher, PublishBatch
+from workers.publish import BackgroundPublisher
 from workers.reuse import ReusePolicy, choose_policy
 from workers.sampling import SamplingParams, pick_token
 from workers.tenants import TenantHashers
@@ -99,29 +100,6 @@ class DecodeResult:
         return steps / self.decode_s if self.decode_s > 0 else float("inf")
 
 
-@dataclass(slots=True)
-class _Fetch:
-    """The leading run of blocks fetched from the store, and where each came from."""
-
-    payloads: list[torch.Tensor] = field(default_factory=list)
-    nodes: list[str] = field(default_factory=list)
-    bytes_fetched: int = 0
-    misses: list[str] = field(default_factory=list)
-
-    def keep(self, num_blocks: int) -> None:
-        """Use only the first ``num_blocks`` (the rest cannot be resumed from)."""
-        del self.payloads[num_blocks:]
-        del self.nodes[num_blocks:]
-
-    @property
-    def sources(self) -> dict[str, int]:
-        """Blocks used per node."""
-        out: dict[str, int] = {}
-        for node in self.nodes:
-            out[node] = out.get(node, 0) + 1
-        return out
-
-
 class Engine:
     """Prefill and decode for one model over one store (``None``: no store at all).
 
@@ -136,7 +114,6 @@ class Engine:
     def __init__(self, model: CausalLM, store: KVStore | None, config: WorkerConfig, *,
                  data_key: bytes | None = None, tenant_key: bytes | None = None) -> None:
         self.model = model
-        self.store = store
         self.config = config
         self.block_size = config.block_size
         self.chunk_tokens = config.prefill_chunk_tokens
@@ -156,27 +133,30 @@ class Engine:
         self._cancelled: set[str] = set()
         self._active: dict[str, DynamicCache | None] = {}
         self.device = model.device
-        # Publishing runs behind the request (workers.publish) unless the backlog is 0.
-        self.publisher = BackgroundPublisher(
-            store, max_backlog_blocks=config.publish_backlog_blocks,
-            when_full=config.publish_when_full) \
-            if store is not None and config.publish_backlog_blocks > 0 else None
+        self.io = BlockIO(store, config, model.device)
+
+    @property
+    def store(self) -> KVStore | None:
+        """The store this engine reads and writes (``None``: none at all)."""
+        return self.io.store
+
+    @store.setter
+    def store(self, store: KVStore | None) -> None:
+        self.io.store = store
+
+    @property
+    def publisher(self) -> BackgroundPublisher | None:
+        """The background publisher (``None`` without a store, or with a backlog of 0)."""
+        return self.io.publisher
 
     def wait_published(self, request_id: str | None = None, timeout: float | None = None
                        ) -> None:
         """Wait until a request's blocks (``None``: every queued block) are put in the store."""
-        if self.publisher is None:
-            return
-        if request_id is None:
-            if not self.publisher.flush(timeout):
-                raise TimeoutError(f"the publish backlog did not drain in {timeout}s")
-        else:
-            self.publisher.wait(request_id, timeout)
+        self.io.wait_published(request_id, timeout)
 
     def close(self) -> None:
         """Publish what is queued, then stop the publisher (the store stays the caller's)."""
-        if self.publisher is not None:
-            self.publisher.close()
+        self.io.close()
 
     def hasher_for(self, cache_salt: str | None) -> BlockHasher:
         """The block hasher of a tenant: ``None`` is the configured ``worker.cache_salt``.
@@ -234,64 +214,10 @@ class Engine:
             raise ConfigError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
         return tokens
 
-    def _block_tokens(self, tokens: list[int], i: int) -> list[int]:
-        return tokens[i * self.block_size:(i + 1) * self.block_size]
-
     def publish_end(self, num_tokens: int) -> int:
         """Where the published blocks of a prompt of ``num_tokens`` end."""
         unit = self.block_size if self.policy.publish == "block" else self.chunk_tokens
         return num_tokens // unit * unit
-
-    def _fetch(self, namespace: Namespace, tokens: list[int], keys: Sequence[bytes],
-               num_blocks: int) -> _Fetch:
-        """Fetch the first ``num_blocks`` blocks; keep the leading run of good ones."""
-        fetch = _Fetch()
-        if num_blocks == 0 or self.store is None:
-            return fetch
-        # Blocks this engine computed and has not finished publishing: already on the device.
-        pending = self.publisher.pending(namespace, list(keys[:num_blocks])) \
-            if self.publisher is not None else {}
-        wanted = [i for i in range(num_blocks) if i not in pending]
-        fetched: dict[int, FetchedBlock | Miss] = {}
-        if wanted:
-            try:
-                results = self.store.batch_get(
-                    namespace, [keys[i] for i in wanted],
-                    [self._block_tokens(tokens, i) for i in wanted],
-                    # Straight to our device (the store's DMA path; "cpu" runs the same code
-                    # in CI); a device the store cannot write (an NPU) gets host payloads.
-                    **({"device": self.device} if self.device.type in ("cpu", "cuda")
-                       else {}))
-            except KVStoreError as exc:  # the store is a cache: losing it means recomputing
-                fetch.misses.append(f"{MISS_NODE_UNAVAILABLE}: {exc}")
-                results = []
-            fetched = dict(zip(wanted, results, strict=False))
-        for i in range(num_blocks):
-            if i in pending:
-                fetch.payloads.append(pending[i])
-                fetch.nodes.append(self.store.node_id)
-                continue
-            r = fetched.get(i)
-            if not isinstance(r, FetchedBlock):
-                if r is not None:
-                    fetch.misses.append(r.reason)
-                break
-            fetch.payloads.append(r.payload.to(self.device, non_blocking=True))
-            fetch.nodes.append(r.node_id)
-            fetch.bytes_fetched += r.payload.numel() * r.payload.element_size()
-        return fetch
-
-    def _wait_visible(self, namespace: Namespace, keys: Sequence[bytes], deadline: float
-                      ) -> None:
-        """Wait (bounded) until the leading ``keys`` are all in the store: a prefill elsewhere
-        said it queued them, and its background publish may still be running."""
-        assert self.store is not None
-        pause = 0.002
-        while time.monotonic() < deadline:
-            if self._lookup(namespace, keys) >= len(keys):
-                return
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
 
     def resume_point(self, cached: int, num_tokens: int) -> int:
         """Where computing starts when the KV of the first ``cached`` tokens (whole blocks) is at
@@ -309,20 +235,6 @@ class Engine:
             if start <= chunk_end - size:
                 return start
             start = (chunk_end - size) // bs * bs
-
-    def _lookup(self, namespace: Namespace, keys: Sequence[bytes]) -> int:
-        """The leading blocks of ``keys`` in the store, or still queued by our publisher."""
-        assert self.store is not None
-        try:
-            hit = self.store.lookup_prefix(namespace, keys).num_blocks
-        except KVStoreError:  # an unreachable index is a cold start, not a failed request
-            hit = 0
-        if self.publisher is not None and hit < len(keys):
-            base = hit
-            pending = self.publisher.pending(namespace, list(keys[base:]))
-            while hit < len(keys) and hit - base in pending:
-                hit += 1
-        return hit
 
     def _run_chunks(self, tokens: list[int], start: int, cache: DynamicCache,
                     request_id: str, deadline: float) -> torch.Tensor | None:
@@ -381,9 +293,9 @@ class Engine:
         namespace = hasher.namespace
         keys = hasher.block_keys(tokens)
         use_store = use_cache and self.store is not None
-        hit = self._lookup(namespace, keys) if use_store else 0
+        hit = self.io.lookup(namespace, keys) if use_store else 0
         # The last token always runs (its logits give the first token), so never resume at n.
-        fetch = self._fetch(namespace, tokens, keys, min(hit, (n - 1) // bs))
+        fetch = self.io.fetch(namespace, tokens, keys, min(hit, (n - 1) // bs))
         fetch.keep(self.resume_point(len(fetch.payloads) * bs, n) // bs)
         t_fetch = time.perf_counter()
         resume = len(fetch.payloads) * bs
@@ -405,8 +317,11 @@ class Engine:
             first_new = resume // bs if fetch.misses else max(resume // bs,
                                                               min(hit, published_end // bs))
             try:
-                num_new = self._publish(request_id, namespace, tokens, keys, cache, first_new,
-                                        published_end // bs)
+                end = published_end // bs
+                num_new = self.io.publish(
+                    request_id, namespace, tokens, keys, first_new,
+                    self.model.export_block_major(cache, first_new * bs, end - first_new, bs)
+                    if end > first_new else None)
                 prefix_blocks = published_end // bs if num_new or first_new * bs == \
                     published_end else first_new
             except KVStoreError as exc:  # this request is served; later ones recompute
@@ -427,34 +342,6 @@ class Engine:
             unreused_shared_tokens=max(0, hit * bs - resume), num_prefix_blocks=prefix_blocks)
         metrics.record_prefill_tokens(resume, result.unreused_shared_tokens, n - resume)
         return result, cache
-
-    def _publish(self, request_id: str, namespace: Namespace, tokens: list[int],
-                 keys: Sequence[bytes], cache: DynamicCache, first: int, end: int) -> int:
-        """Publish blocks ``[first, end)`` of the prompt; returns how many were accepted.
-
-        The new blocks are copied block-major on the model's device (one device copy) and,
-        with a publisher, queued behind a stream event: the request goes on at once.
-        Without one (``worker.publish_backlog_blocks: 0``) they are put here and now.
-        """
-        assert self.store is not None
-        if end <= first:
-            return 0
-        bs = self.block_size
-        blocks = self.model.export_block_major(cache, first * bs, end - first, bs)
-        batch = PublishBatch(
-            request_id, namespace, [bytes(k) for k in keys[first:end]],
-            [bytes(keys[i - 1]) if i else namespace.root for i in range(first, end)],
-            [self._block_tokens(tokens, i) for i in range(first, end)], blocks)
-        if self.publisher is None:
-            self.store.batch_put(namespace, [
-                BlockPut(k, p, t, blocks[i].to("cpu"))
-                for i, (k, p, t) in enumerate(zip(batch.keys, batch.parents, batch.tokens,
-                                                  strict=True))])
-            return end - first
-        if blocks.device.type == "cuda":
-            batch.ready = torch.cuda.Event()
-            batch.ready.record()
-        return self.publisher.submit(batch)
 
     def prefill(self, token_ids: TokenIds, *, request_id: str = "prefill",
                 sampling: SamplingParams | None = None, use_cache: bool = True,
@@ -507,9 +394,9 @@ class Engine:
             hasher = self.hasher_for(cache_salt)
             keys = hasher.block_keys(tokens[:whole])
             if use_cache and wait_for_blocks and self.store is not None:
-                self._wait_visible(hasher.namespace, keys[:wait_for_blocks],
+                self.io.wait_visible(hasher.namespace, keys[:wait_for_blocks],
                                    time.monotonic() + self.config.publish_wait_s)
-            fetch = self._fetch(hasher.namespace, tokens, keys, len(keys) if use_cache else 0)
+            fetch = self.io.fetch(hasher.namespace, tokens, keys, len(keys) if use_cache else 0)
             if not (tail is not None and len(fetch.payloads) * bs == whole == tail.start):
                 fetch.keep(self.resume_point(len(fetch.payloads) * bs, n) // bs)  # must run
             resume = len(fetch.payloads) * bs

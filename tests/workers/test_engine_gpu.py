@@ -89,7 +89,7 @@ def test_fetched_blocks_arrive_on_the_device(model) -> None:
     writer.wait_published()
     reader = Engine(model, store, make_config())
     keys = reader.hasher.block_keys(prompt)
-    fetch = reader._fetch(reader.namespace, prompt, keys, len(keys))
+    fetch = reader.io.fetch(reader.namespace, prompt, keys, len(keys))
     assert fetch.payloads and all(p.device.type == "cuda" for p in fetch.payloads)
 
 
