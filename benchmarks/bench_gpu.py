@@ -129,14 +129,18 @@ def measure_prompt(model: CausalLM, config: WorkerConfig, node: NodeAddress, num
                              "publish_background_s": background_publish}
     equal = cold.logits is not None and torch.equal(cold.logits, ref_logits)
     nb = (num_tokens - 1) // config.block_size
+    # Where a warm run resumes: the last cached block, or earlier where the probe found no
+    # piece size that small exact on this device (then a chunk boundary).
+    expected = writer.resume_point(nb * config.block_size, num_tokens)
     for name, reader_node in (("samenode", node.node_id), ("remote", "another-node")):
         times = []
         for i in range(repeats):
             engine = Engine(model, store(reader_node), cfg)
             warm = ttft(engine, tokens, f"{name}-{i}")
             engine.close()
-            assert warm.cached_tokens == nb * config.block_size, \
-                f"{name}: {warm.cached_tokens} tokens cached, misses {warm.misses}"
+            assert warm.cached_tokens == expected, \
+                f"{name}: {warm.cached_tokens} tokens cached (expected {expected}), " \
+                f"misses {warm.misses}"
             equal = equal and warm.logits is not None and torch.equal(warm.logits, ref_logits)
             times.append(warm.ttft_s)
         out[f"warm_ttft_{name}_s"] = min(times)
@@ -145,10 +149,11 @@ def measure_prompt(model: CausalLM, config: WorkerConfig, node: NodeAddress, num
     floor = []
     for i in range(repeats):
         got = ttft(floor_engine, tokens, f"floor-{i}")
-        assert got.cached_tokens == nb * config.block_size
+        assert got.cached_tokens == expected
         equal = equal and got.logits is not None and torch.equal(got.logits, ref_logits)
         floor.append(got.ttft_s)
     out["floor_ttft_s"] = min(floor)
+    out["cached_tokens"] = expected
     out["outputs_equal"] = float(equal)
     del blocks, floor_engine
     if device.type == "cuda":
@@ -190,7 +195,10 @@ def main() -> None:
     figures: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if gpu else "cpu",
                                "model_load_s": load_s, "numerics": model.numerics}
     try:
-        Engine(model, None, config).prefill([7] * 600, sampling=FIRST_TOKEN)  # warm-up
+        probe = Engine(model, None, config)
+        probe.prefill([7] * 600, sampling=FIRST_TOKEN)  # warm-up
+        figures["reuse_policy"] = probe.policy.describe()
+        figures["reuse_piece_sizes"] = ",".join(map(str, probe.policy.piece_sizes))
         repeats = (2 if gpu else 1) if args.quick else 4
         equal = True
         for n in lengths:
@@ -234,6 +242,11 @@ def main() -> None:
                 "ratio_kv_cache_scatter_vs_index_copy_gpu"):
         if key in figures:
             rows.append((key, f"{figures[key]:.2f}x", ">= 0.8x"))
+    rows.append(("reuse probe verdict", figures["reuse_piece_sizes"], figures["reuse_policy"]))
+    for n in lengths:
+        label = f"{n // 1024}k" if gpu else str(n)
+        rows.append((f"{label}: tokens a warm run reuses", str(figures[f"cached_tokens_{label}"]),
+                     f"of {n}"))
     rows.append(("outputs equal (bitwise, every warm run)", str(bool(figures["outputs_equal"])),
                  "True"))
     report(f"bench_gpu on {figures['device']} ({preset})", rows, figures, args.json)

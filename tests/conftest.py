@@ -10,12 +10,15 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kvstore.index.base import Index
 from kvstore.index.memory import InMemoryIndex
-from tests.support.redis_server import RedisProcess, start_redis_server
+
+if TYPE_CHECKING:  # the redis client is imported where a test needs Redis: a GPU machine has none
+    from tests.support.redis_server import RedisProcess
 
 # Ray 2.60 turns token auth on for any process that finds ~/.ray/auth_token and no
 # RAY_AUTH_MODE, and its C++ side reads the mode once per process. A fixture that set the
@@ -51,6 +54,8 @@ def require_redis_server() -> None:
 def redis_server() -> Iterator[RedisProcess]:
     """One private redis-server on a free port for the whole session."""
     require_redis_server()
+    from tests.support.redis_server import start_redis_server
+
     server = start_redis_server()
     yield server
     server.stop()
@@ -108,6 +113,8 @@ def ray_local() -> Iterator[None]:
 def fresh_redis() -> Iterator[RedisProcess]:
     """A redis-server of this test's own: restarting it disturbs no other test."""
     require_redis_server()
+    from tests.support.redis_server import start_redis_server
+
     server = start_redis_server()
     yield server
     server.stop()

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Every GPU check in one go, on a machine with a CUDA device (about 4-6 minutes on an H100/H200):
+# the facts the GPU path relies on (tools/gpu_diagnose.py), bench_gpu at 4k and 16k tokens with
+# the operator ratios, then every test marked gpu. Each step writes its log and JSON to $OUT
+# (default /tmp/kvstore-gpu); a step that fails or runs past its limit does not stop the next.
+#
+#   bash tools/gpu_check.sh            # from the repository root
+#
+# The GPU machine has torch, transformers, grpcio, protobuf, msgpack, xxhash, rich, pyyaml and
+# prometheus-client but no Ray and no Redis, which none of these steps import. Where its grpcio
+# or protobuf is older than the generated code needs, wheels in .whl/ (not committed; see
+# docs/gpu.md) are installed into /tmp/site first.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kvstore-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 COLUMNS=160 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+
+if ! "$PY" -c "import protos.kvstore_pb2, protos.kvstore_pb2_grpc" 2>/dev/null; then
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  fi
+fi
+# Store-node arenas live in /dev/shm: bench_gpu's node needs ~5 GiB of it.
+free_gib=$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)
+if [ "${free_gib:-0}" -lt 16 ] && [ "$(id -u)" = 0 ]; then
+  mount -o remount,size=32G /dev/shm || true
+fi
+{ nvidia-smi -L; df -h /dev/shm; "$PY" -c "import torch, transformers, grpc, google.protobuf as p;
+print('torch', torch.__version__, 'transformers', transformers.__version__, 'grpcio',
+      grpc.__version__, 'protobuf', p.__version__)"; } 2>&1 | tee "$OUT/machine.log"
+
+step() {  # step NAME LIMIT_S COMMAND...: run it, keep its output in $OUT/NAME.log
+  local name=$1 limit=$2 start rc
+  shift 2
+  echo "=== $name (at most ${limit}s)"
+  start=$(date +%s)
+  timeout -k 10 "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
+  rc=$?
+  echo "=== $name: exit $rc after $(( $(date +%s) - start ))s"
+}
+
+step diagnose "${DIAGNOSE_S:-60}" "$PY" -m tools.gpu_diagnose --json "$OUT/diagnose.json"
+step bench_gpu "${BENCH_S:-200}" "$PY" -m benchmarks.bench_gpu --json "$OUT/bench_gpu.json"
+step pytest_gpu "${PYTEST_S:-120}" "$PY" -m pytest -p no:cacheprovider -q -m gpu -rfE \
+  tests/test_ops_gpu.py tests/workers/test_engine_gpu.py tests/node/test_device_reads.py \
+  tests/test_cluster_store_device.py tests/workers/test_engine_nodes.py
