@@ -10,7 +10,8 @@ row view of the cache, so the cost is the bytes moved, not Python. The row view 
 When ``s_block`` is a multiple of ``s_slot`` (always true for contiguous caches and for
 per-layer views of a block-major pool such as ``pool[:, layer, 0]``) the rows in between belong
 to other layers and are simply never indexed. Otherwise the operators fall back to advanced
-indexing, which handles any strides.
+indexing, which handles any strides. A load of whole blocks (ND, every length a multiple of
+``block_size``, no starts: the usual one) needs neither: it selects blocks, along dim 0.
 
 Every violated constraint is a ``ValueError`` naming the argument and the bad value. The
 checks and the index are computed where the metadata lives (kvstore.ops_index): metadata on
@@ -31,6 +32,8 @@ import torch
 
 from kvstore.constants import DTYPE_NAMES
 from kvstore.ops_index import (
+    AnyInts,
+    RowLayout,
     check_load,
     check_scatter,
     device_load_rows,
@@ -38,6 +41,10 @@ from kvstore.ops_index import (
     host_arrays,
     host_load_rows,
     host_scatter_rows,
+    row_layout,
+    runs_view,
+    to_device,
+    whole_blocks,
 )
 
 __all__ = ["kv_cache_scatter", "paged_cache_load", "nz_align", "SUPPORTED_DTYPES"]
@@ -45,6 +52,9 @@ __all__ = ["kv_cache_scatter", "paged_cache_load", "nz_align", "SUPPORTED_DTYPES
 SUPPORTED_DTYPES = tuple(getattr(torch, name) for name in DTYPE_NAMES)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _NZ_ROW_BYTES = 32
+# The dims key and value caches share, with their names for the error message.
+_ND_SAME: tuple[tuple[int, str], ...] = ((0, "num_blocks"), (1, "block_size"), (2, "num_heads"))
+_NZ_SAME: tuple[tuple[int, str], ...] = ((0, "num_blocks"), (2, "block_size"))
 
 
 def nz_align(dtype: torch.dtype) -> int:
@@ -80,7 +90,7 @@ def _index(name: str, x: object, ndim: int) -> torch.Tensor:
 
 def _on_host(device: torch.device, *meta: torch.Tensor | None) -> bool:
     """Whether the index is built on the host: the cache or all its metadata lives there."""
-    return device.type == "cpu" or all(t is None or t.device.type == "cpu" for t in meta)
+    return device.type == "cpu" or all(t is None or t.is_cpu for t in meta)
 
 
 def _on_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -102,45 +112,6 @@ def _layer_index(layer_id: object, num_layers: int) -> int:
     if not 0 <= layer < num_layers:
         raise ValueError(f"layer_id = {layer} is outside [0, {num_layers}) (past.shape[0])")
     return layer
-
-
-# ----------------------------------------------------------------------------- row views
-
-
-def _row_view(x: torch.Tensor, outer: int, inner: int) -> tuple[torch.Tensor, int] | None:
-    """Merge dims ``outer`` and ``inner`` of ``x`` into a leading row axis, without copying.
-
-    Returns ``(view, ratio)`` with ``row = outer_index * ratio + inner_index``, or ``None``
-    when the strides do not allow it (then the caller uses advanced indexing).
-    """
-    n_o, n_i = x.shape[outer], x.shape[inner]
-    s_o, s_i = x.stride(outer), x.stride(inner)
-    if n_i == 1:
-        ratio, row_stride, num_rows = 1, s_o, n_o
-    elif n_o <= 1:
-        ratio, row_stride, num_rows = 0, s_i, n_i * n_o
-    elif s_i > 0 and s_o % s_i == 0:
-        ratio, row_stride = s_o // s_i, s_i
-        num_rows = (n_o - 1) * ratio + n_i
-    else:
-        return None
-    rest = [d for d in range(x.dim()) if d not in (outer, inner)]
-    view = x.as_strided(
-        [num_rows, *(x.shape[d] for d in rest)],
-        [row_stride, *(x.stride(d) for d in rest)],
-        x.storage_offset(),
-    )
-    return view, ratio
-
-
-def _runs(view: torch.Tensor, unit: int) -> torch.Tensor:
-    """A row view ``[num_rows, ...]`` as ``[num_rows // unit, unit, ...]``: runs of rows."""
-    if unit == 1:
-        return view
-    num_rows, *rest = view.shape
-    row_stride, *rest_strides = view.stride()
-    return view.as_strided([num_rows // unit, unit, *rest],
-                           [row_stride * unit, row_stride, *rest_strides], view.storage_offset())
 
 
 # ----------------------------------------------------------------------------- scatter
@@ -184,7 +155,8 @@ def kv_cache_scatter(
         )
     elif new_kv.shape[1] != hidden:
         raise ValueError(f"new_kv hidden size {new_kv.shape[1]} must equal past's {hidden}")
-    if any(st == 0 and n > 1 for st, n in zip(past.stride(), past.shape, strict=True)):
+    strides = past.stride()
+    if 0 in strides and any(st == 0 and n > 1 for st, n in zip(strides, past.shape, strict=True)):
         raise ValueError("past must not be an expanded tensor (stride 0): rows would alias")
     layer = _layer_index(layer_id, num_layers)
     offs = _index("token_offset", token_offset, 1)
@@ -196,9 +168,9 @@ def kv_cache_scatter(
         )
     ntokens = new_kv.shape[0]
     dst = past[layer]  # [batch, max_seq_len, hidden], a view
-    rows = _row_view(dst, 0, 1)
+    rows = row_layout(dst, 1)
     # Without a row view, an index is sequence * max_seq_len + position, split up below.
-    ratio = rows[1] if rows is not None else max_seq_len
+    ratio = rows[0] if rows is not None else max_seq_len
     unit = 1
     if check or _on_host(past.device, offs, lens):
         offs_h, lens_h = host_arrays(offs, lens)
@@ -216,8 +188,8 @@ def kv_cache_scatter(
     if rows is None:
         dst.index_put_((index // max_seq_len, index % max_seq_len), new_kv)
     else:
-        src = new_kv.unflatten(0, (-1, unit)) if unit > 1 else new_kv
-        _runs(rows[0], unit).index_copy_(0, index, src)
+        src = new_kv.view(-1, unit, hidden) if unit > 1 else new_kv
+        runs_view(dst, 1, rows, unit).index_copy_(0, index, src)
     return past
 
 
@@ -251,7 +223,7 @@ def _out_rows(out: object) -> int | None:
     return None
 
 
-def _gather(cache: torch.Tensor, slot_dim: int, rows: tuple[torch.Tensor, int] | None,
+def _gather(cache: torch.Tensor, slot_dim: int, rows: RowLayout | None,
             unit: int, index: torch.Tensor, dst: torch.Tensor) -> None:
     """``dst[k] = cache[row index[k]]`` with the non-token dims kept, into ``dst``.
 
@@ -264,10 +236,32 @@ def _gather(cache: torch.Tensor, slot_dim: int, rows: tuple[torch.Tensor, int] |
         picked = cache[b, s] if slot_dim == 1 else cache[b, :, s]
         dst.copy_(picked.reshape(dst.shape))
         return
-    view = _runs(rows[0], unit)
+    view = runs_view(cache, slot_dim, rows, unit)
     if unit > 1:  # runs of `unit` slots are contiguous rows both in the cache and in the output
         dst = dst.view(-1, *view.shape[1:])
     torch.index_select(view, 0, index, out=dst)
+
+
+def _load_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, blocks: AnyInts,
+                 out: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """A load of whole blocks (ND): one block-id index, one ``index_select`` per cache.
+
+    Selecting blocks along dim 0 of the cache itself is right for any strides (a pool view,
+    padded blocks, even block-innermost caches), so it needs no row view.
+    """
+    num_tokens = len(blocks) * key_cache.shape[1]
+    shapes = ((num_tokens, *key_cache.shape[2:]), (num_tokens, *value_cache.shape[2:]))
+    if out is not None:
+        out = _check_out(out, shapes, key_cache.dtype, key_cache.device)
+    if not num_tokens:
+        return out or (key_cache.new_empty(shapes[0]), value_cache.new_empty(shapes[1]))
+    index = to_device(blocks, key_cache.device)
+    if out is None:  # index_select's own outputs, seen as tokens: no separate allocation
+        return (torch.index_select(key_cache, 0, index).view(shapes[0]),
+                torch.index_select(value_cache, 0, index).view(shapes[1]))
+    for cache, dst in zip((key_cache, value_cache), out, strict=True):
+        torch.index_select(cache, 0, index, out=dst.view(-1, *cache.shape[1:]))
+    return out
 
 
 def paged_cache_load(
@@ -295,41 +289,36 @@ def paged_cache_load(
         raise ValueError(f"layout must be 'ND' or 'NZ', got {layout!r}")
     _check_cache("key_cache", key_cache, 4)
     _check_cache("value_cache", value_cache, 4)
-    if value_cache.dtype != key_cache.dtype:
-        raise ValueError(
-            f"value_cache dtype {value_cache.dtype} must equal key_cache dtype {key_cache.dtype}"
-        )
-    if value_cache.device != key_cache.device:
-        raise ValueError(
-            f"value_cache is on {value_cache.device} but key_cache is on {key_cache.device}"
-        )
     dtype, device = key_cache.dtype, key_cache.device
-    num_blocks = key_cache.shape[0]
+    if value_cache.dtype != dtype:
+        raise ValueError(
+            f"value_cache dtype {value_cache.dtype} must equal key_cache dtype {dtype}"
+        )
+    if value_cache.device != device:
+        raise ValueError(f"value_cache is on {value_cache.device} but key_cache is on {device}")
+    k_shape, v_shape = key_cache.shape, value_cache.shape
     if layout == "ND":
-        slot_dim = 1
-        same: tuple[tuple[int, str], ...] = ((0, "num_blocks"), (1, "block_size"), (2, "num_heads"))
+        slot_dim, same = 1, _ND_SAME
     else:
         if cumsum or seq_starts is not None:
             raise ValueError("layout='NZ' supports neither cumsum=True nor seq_starts")
-        slot_dim = 2
-        same = ((0, "num_blocks"), (2, "block_size"))
+        slot_dim, same = 2, _NZ_SAME
         a = nz_align(dtype)
-        for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
-            if c.shape[3] != a:
+        for name, shape in (("key_cache", k_shape), ("value_cache", v_shape)):
+            if shape[3] != a:
                 raise ValueError(
-                    f"{name} NZ last dim is {c.shape[3]} elements but must be {a} "
+                    f"{name} NZ last dim is {shape[3]} elements but must be {a} "
                     f"(32 bytes of {dtype})"
                 )
     for dim, what in same:
-        if key_cache.shape[dim] != value_cache.shape[dim]:
+        if k_shape[dim] != v_shape[dim]:
             raise ValueError(
-                f"key_cache and value_cache differ in {what}: {key_cache.shape[dim]} vs "
-                f"{value_cache.shape[dim]} (shapes {tuple(key_cache.shape)} and "
-                f"{tuple(value_cache.shape)})"
+                f"key_cache and value_cache differ in {what}: {k_shape[dim]} vs {v_shape[dim]} "
+                f"(shapes {tuple(k_shape)} and {tuple(v_shape)})"
             )
-    block_size = key_cache.shape[slot_dim]
+    num_blocks, block_size = k_shape[0], k_shape[slot_dim]
     if block_size <= 0:
-        raise ValueError(f"key_cache block_size must be > 0, got shape {tuple(key_cache.shape)}")
+        raise ValueError(f"key_cache block_size must be > 0, got shape {tuple(k_shape)}")
 
     table = _index("block_table", block_table, 2)
     batch, width = table.shape
@@ -347,16 +336,24 @@ def paged_cache_load(
     if starts is not None and starts.shape[0] != batch:
         raise ValueError(f"seq_starts must be [batch={batch}], got {tuple(starts.shape)}")
 
-    k_rows = _row_view(key_cache, 0, slot_dim)
-    v_rows = _row_view(value_cache, 0, slot_dim)
-    # Without a row view, an index is block * block_size + slot, split up in _gather.
-    ratios = (k_rows[1] if k_rows else block_size, v_rows[1] if v_rows else block_size)
-    unit = 1
     host = check or _on_host(device, table, cl, starts)
     if host:
-        table_h, cl_h, *starts_h = host_arrays(table, cl, *([] if starts is None else [starts]))
-        lens, starts_n = check_load(cl_h, starts_h[0] if starts_h else None, cumsum, width,
-                                    block_size)
+        if starts is None:
+            table_h, cl_h = host_arrays(table, cl)
+            starts_h = None
+            if layout == "ND":  # the usual load: whole blocks, no per-token index
+                blocks = whole_blocks(table_h, cl_h, cumsum, block_size, num_blocks)
+                if blocks is not None:
+                    return _load_blocks(key_cache, value_cache, blocks, out)
+        else:
+            table_h, cl_h, starts_h = host_arrays(table, cl, starts)
+    k_rows = row_layout(key_cache, slot_dim)
+    v_rows = row_layout(value_cache, slot_dim)
+    # Without a row view, an index is block * block_size + slot, split up in _gather.
+    ratios = (k_rows[0] if k_rows else block_size, v_rows[0] if v_rows else block_size)
+    unit = 1
+    if host:
+        lens, starts_n = check_load(cl_h, starts_h, cumsum, width, block_size)
         num_tokens = int(lens.sum())
     else:
         table_d, cl_d = _on_device(table, device), _on_device(cl, device)
@@ -367,10 +364,9 @@ def paged_cache_load(
         num_tokens = out_rows if out_rows is not None else int(lens_d.sum()) if batch else 0
 
     if layout == "ND":
-        shapes = ((num_tokens, *key_cache.shape[2:]), (num_tokens, *value_cache.shape[2:]))
+        shapes = ((num_tokens, *k_shape[2:]), (num_tokens, *v_shape[2:]))
     else:
-        shapes = ((num_tokens, key_cache.shape[1] * key_cache.shape[3]),
-                  (num_tokens, value_cache.shape[1] * value_cache.shape[3]))
+        shapes = ((num_tokens, k_shape[1] * k_shape[3]), (num_tokens, v_shape[1] * v_shape[3]))
     if out is None:
         key_out = torch.empty(shapes[0], dtype=dtype, device=device)
         value_out = torch.empty(shapes[1], dtype=dtype, device=device)
@@ -381,7 +377,7 @@ def paged_cache_load(
 
     if host:
         # Move runs of `unit` tokens at once when every sequence's start and length, the block
-        # size and the caches' row ratios are multiples of it (whole-block loads, typically).
+        # size and the caches' row ratios are multiples of it (block-aligned starts, say).
         if layout == "ND" and k_rows is not None and v_rows is not None:
             unit = math.gcd(block_size, *ratios, *starts_n.tolist(), *lens.tolist())
         k_index, v_index = host_load_rows(table_h, lens, starts_n, block_size, unit, num_blocks,

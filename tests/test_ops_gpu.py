@@ -168,18 +168,19 @@ def _sync_case(where: str):
     cl = torch.tensor(lens, dtype=torch.int32)
     cum = torch.tensor([0, *torch.cumsum(cl, 0).tolist()], dtype=torch.int32)
     ss = torch.tensor(starts, dtype=torch.int32)
+    whole = torch.tensor([32, 16, 0, 48], dtype=torch.int32)  # whole blocks: block ids, no math
     past = make_tensor((2, 4, 64, 128), torch.bfloat16, gen).transpose(0, 1)
     seq_len, token_offset = torch.tensor([33, 16]), torch.tensor([40, 64])
     new_kv = make_tensor((49, 128), torch.bfloat16, gen)
-    want = [ref_load(kc, vc, table, cl), ref_load(kc, vc, table, cum, cumsum=True),
-            ref_load(kc, vc, table, cl, seq_starts=ss),
-            ref_scatter(past, new_kv, 1, token_offset, seq_len)]
+    loads = [ref_load(kc, vc, table, cl), ref_load(kc, vc, table, cum, cumsum=True),
+             ref_load(kc, vc, table, cl, seq_starts=ss), ref_load(kc, vc, table, whole)]
+    want_past = ref_scatter(past, new_kv, 1, token_offset, seq_len)
     kc, vc, past, new_kv = on_cuda(kc), on_cuda(vc), on_cuda(past), on_cuda(new_kv)
-    table, cl, cum, ss, seq_len, token_offset = (
-        place(t, where) for t in (table, cl, cum, ss, seq_len, token_offset))
+    table, cl, cum, ss, whole, seq_len, token_offset = (
+        place(t, where) for t in (table, cl, cum, ss, whole, seq_len, token_offset))
     # Device metadata unchecked: `out` gives the output size, so no length is read back.
     outs = [(torch.empty_like(k, device=CUDA), torch.empty_like(v, device=CUDA))
-            for k, v in want[:3]]
+            for k, v in loads]
     got: list = []
 
     def run() -> None:
@@ -187,15 +188,17 @@ def _sync_case(where: str):
         got.append(paged_cache_load(kc, vc, table, cl, out=outs[0], check=False))
         got.append(paged_cache_load(kc, vc, table, cum, cumsum=True, out=outs[1], check=False))
         got.append(paged_cache_load(kc, vc, table, cl, seq_starts=ss, out=outs[2], check=False))
+        got.append(paged_cache_load(kc, vc, table, whole, out=outs[3], check=False))
         if where == "host":  # host metadata is checked at no sync, and sizes are known
             got.append(paged_cache_load(kc, vc, table, cl))
+            got.append(paged_cache_load(kc, vc, table, whole))
         kv_cache_scatter(past, new_kv, 1, token_offset, seq_len, check=False)
 
     def check() -> None:
         torch.cuda.synchronize()
-        for (k, v), (want_k, want_v) in zip(got, [*want[:3], want[0]], strict=False):
+        for (k, v), (want_k, want_v) in zip(got, [*loads, loads[0], loads[3]], strict=False):
             assert torch.equal(k.cpu(), want_k) and torch.equal(v.cpu(), want_v)
-        assert torch.equal(past.cpu(), want[3])
+        assert torch.equal(past.cpu(), want_past)
 
     return run, check
 
