@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvstore.config import KVStoreConfig, load_config
+from kvstore.config import KVStoreConfig, ServeConfig, load_config
 from kvstore.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def make_config(args: argparse.Namespace) -> KVStoreConfig:
     worker = {"model": args.model, "seed": args.seed, "block_size": args.block_size,
               "prefill_chunk_tokens": args.chunk_tokens, "num_threads": args.threads,
               "device": args.device, "attn_implementation": args.attn_implementation,
-              "dtype": args.dtype}
+              "dtype": args.dtype, "gpus_per_replica": args.gpus_per_replica}
     serve = {"host": args.host, "port": args.port, "model_name": args.model_name,
              "prefill_replicas": args.prefill_replicas, "decode_replicas": args.decode_replicas}
     config = load_config(args.config, overrides={"worker": worker, "serve": serve})
@@ -73,8 +73,18 @@ def model_card(config: KVStoreConfig) -> Any:
     return ModelCard(config.serve.model_name or name, max_len, vocab, int(time.time()))
 
 
-def build_app(config: KVStoreConfig, tokenizer_path: str | None) -> Any:
-    """The Serve application: the HTTP front end bound to prefill and decode deployments."""
+def initial_replicas(sc: ServeConfig, replicas: int) -> int:
+    """How many replicas of one kind the application starts with (autoscaling: in bounds)."""
+    return max(sc.min_replicas, min(replicas, sc.max_replicas)) if sc.autoscaling else replicas
+
+
+def build_app(config: KVStoreConfig, tokenizer_path: str | None,
+              gpus_per_replica: float = 0.0) -> Any:
+    """The Serve application: the HTTP front end bound to prefill and decode deployments.
+
+    ``gpus_per_replica`` (``workers.placement``, resolved against the cluster) is what each
+    prefill and decode replica asks Ray for; the front end itself asks for none.
+    """
     from frontend.app import OpenAIServer
     from frontend.deployments import DecodeServer, PrefillServer
     from workers.model import generation_stop_ids
@@ -87,11 +97,14 @@ def build_app(config: KVStoreConfig, tokenizer_path: str | None) -> Any:
                                 # The prefix's node first, then Serve's own choice.
                                 "request_router_config": {"request_router_class":
                                                           "frontend.routing."
-                                                          "PrefixAffinityRouter"}}
+                                                          "PrefixAffinityRouter"},
+                                # Replaces the decorator's options, so num_cpus is repeated.
+                                "ray_actor_options": {"num_cpus": 0,
+                                                      "num_gpus": gpus_per_replica}}
         if sc.autoscaling:
             opts["autoscaling_config"] = {
                 "min_replicas": sc.min_replicas, "max_replicas": sc.max_replicas,
-                "initial_replicas": max(sc.min_replicas, min(replicas, sc.max_replicas)),
+                "initial_replicas": initial_replicas(sc, replicas),
                 "target_ongoing_requests": sc.target_ongoing_requests}
         else:
             opts["num_replicas"] = replicas
@@ -118,7 +131,7 @@ def check_model(config: KVStoreConfig, tokenizer_path: str | None) -> None:
         load_worker_model(dataclasses.replace(config.worker, device="cpu"), keep_threads=True)
 
 
-def _wait_ready(url: str, stop: threading.Event) -> None:
+def _wait_ready(url: str, stop: threading.Event, gpus_per_replica: float = 0.0) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while not stop.is_set():
         with contextlib.suppress(OSError):
@@ -126,8 +139,12 @@ def _wait_ready(url: str, stop: threading.Event) -> None:
                 if reply.status == 200:
                     return
         if time.monotonic() > deadline:
+            waiting = (f" (each replica asks Ray for {gpus_per_replica:g} GPU(s), and Ray "
+                       "waits while other actors hold them: `serve status` shows replicas "
+                       "pending; lower worker.gpus_per_replica or the replica counts)"
+                       if gpus_per_replica > 0 else "")
             raise ConfigError(f"the server did not answer at {url}/health within "
-                              f"{READY_TIMEOUT_S:.0f}s")
+                              f"{READY_TIMEOUT_S:.0f}s{waiting}")
         stop.wait(0.5)
 
 
@@ -152,29 +169,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.cluster import lifecycle
     from kvstore.cluster.names import coordinator_handle
     from kvstore.errors import NodeUnavailable
+    from workers.placement import replica_gpus
 
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     lifecycle.ensure_ray(args.address)
     started_cluster = False
+    sc = config.serve
     try:
+        # Decided before anything starts: too few GPUs in the cluster fail here, at once.
+        gpus = replica_gpus(config.worker, initial_replicas(sc, sc.prefill_replicas)
+                            + initial_replicas(sc, sc.decode_replicas))
         try:
             coordinator_handle()
         except NodeUnavailable:  # nothing running: the embedded default
             lifecycle.start(config)
             started_cluster = True
-        sc = config.serve
         serve.start(http_options={"host": sc.host, "port": sc.port})
-        serve.run(build_app(config, args.tokenizer), name=APP_NAME, route_prefix="/",
+        serve.run(build_app(config, args.tokenizer, gpus), name=APP_NAME, route_prefix="/",
                   blocking=False)
         host = "127.0.0.1" if sc.host in ("0.0.0.0", "::") else sc.host
         url = f"http://{host}:{sc.port}"
-        _wait_ready(url, stop)
+        _wait_ready(url, stop, gpus)
         if args.ready_file:
             Path(args.ready_file).write_text(url + "\n")
         print(f"kvstore serve: {model_card(config).name} at {url}/v1 "
               f"({sc.prefill_replicas} prefill, {sc.decode_replicas} decode replicas"
+              f"{f', {gpus:g} GPU each' if gpus else ''}"
               f"{', autoscaling' if sc.autoscaling else ''}"
               f"{', API key required' if sc.api_key else ''}); Ctrl-C stops it",
               file=sys.stderr, flush=True)

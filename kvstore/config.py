@@ -11,6 +11,7 @@ and says what to change.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import types
@@ -150,6 +151,9 @@ class ClientConfig:
     # on one connection: the node streams one while the next is already queued.
     bulk_request_blocks: int = 32
     bulk_pipeline_depth: int = 4
+    # A read of more than one request's blocks is split over up to this many connections
+    # (the node serves each on its own thread): one TCP stream caps a large read.
+    bulk_streams: int = 4
     # How long a reader trusts a holder the index told it (or its own Put), without asking
     # again; 0 asks the index every time. Staleness costs misses, never wrong KV (design.md §4).
     index_view_ttl_s: float = 1.0
@@ -162,6 +166,7 @@ class ClientConfig:
         _check(1 <= self.bulk_request_blocks <= 4096,
                "client.bulk_request_blocks must be between 1 and 4096")
         _check(self.bulk_pipeline_depth >= 1, "client.bulk_pipeline_depth must be >= 1")
+        _check(1 <= self.bulk_streams <= 16, "client.bulk_streams must be between 1 and 16")
 
 
 #: The index backends ``kvstore.index.factory`` can build.
@@ -269,6 +274,8 @@ class WorkerConfig:
     seed: int = 0
     dtype: str = "auto"
     device: str = "auto"
+    # auto, or the GPUs each Ray replica asks for (workers.placement); loaded as text
+    gpus_per_replica: str | float = "auto"
     attn_implementation: str = "auto"
     numerics: str = "auto"  # auto (tagged), portable (no tag) or a tag given literally
     block_size: int = 16
@@ -279,6 +286,7 @@ class WorkerConfig:
     max_new_tokens: int = 16
     request_timeout_s: float = 300.0
     publish_backlog_blocks: int = 8192  # 0: publish on the request's own thread
+    publish_backlog_bytes: int = 4 << 30  # device memory the queued blocks may hold
     publish_when_full: PublishWhenFull = "wait"
     publish_wait_s: float = 10.0  # a decode waiting for a prefill's queued blocks
 
@@ -292,12 +300,25 @@ class WorkerConfig:
                f"{self.attn_implementation!r}")
         _check(isinstance(self.device, str) and bool(self.device.strip()),
                "worker.device must be auto or a torch device string such as cpu, cuda:0")
+        if self.gpus_per_replica != "auto":
+            try:
+                gpus = float(self.gpus_per_replica)
+            except (TypeError, ValueError):
+                gpus = math.nan
+            _check(math.isfinite(gpus) and gpus >= 0 and (gpus <= 1 or gpus.is_integer()),
+                   "worker.gpus_per_replica must be auto, a share of one GPU (0 to 1, e.g. 0.5) "
+                   f"or a whole number of GPUs, got {self.gpus_per_replica!r}")
+            self.gpus_per_replica = gpus
         _check(isinstance(self.numerics, str) and bool(self.numerics),
                "worker.numerics must be auto, portable or a numerics tag (as kvstore status "
                "shows it)")
         _check(self.publish_wait_s >= 0, "worker.publish_wait_s must be >= 0")
         _check(self.publish_backlog_blocks >= 0,
                "worker.publish_backlog_blocks must be >= 0 (0: publish on the request's thread)")
+        self.publish_backlog_bytes = parse_size(self.publish_backlog_bytes)
+        _check(self.publish_backlog_bytes > 0,
+               "worker.publish_backlog_bytes must be > 0 (e.g. 4GiB); to publish on the "
+               "request's thread set worker.publish_backlog_blocks: 0")
         _check(self.publish_when_full in get_args(PublishWhenFull),
                f"worker.publish_when_full must be one of {list(get_args(PublishWhenFull))}, "
                f"got {self.publish_when_full!r}")

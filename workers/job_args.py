@@ -70,6 +70,10 @@ def device_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
                    help="model and KV dtype: auto (bfloat16 on a GPU, float32 on the CPU; "
                    "default: worker.dtype)")
+    p.add_argument("--gpus-per-replica", metavar="N",
+                   help="GPUs each Ray replica asks for, so Ray gives it its own: auto (1 where "
+                   "the model runs on CUDA, a share of one when replicas outnumber GPUs, else "
+                   "0; default: worker.gpus_per_replica), 0.5 (two replicas per GPU), 0 (none)")
 
 
 def _placement(p: argparse.ArgumentParser) -> None:

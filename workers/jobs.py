@@ -42,6 +42,7 @@ def make_config(args: argparse.Namespace) -> KVStoreConfig:
               "device": getattr(args, "device", None),
               "attn_implementation": getattr(args, "attn_implementation", None),
               "dtype": getattr(args, "dtype", None),
+              "gpus_per_replica": getattr(args, "gpus_per_replica", None),
               # ``is None``, not ``or``: 0 is a warm-up (prefill and publish only), not "unset".
               "max_new_tokens": (args.max_new_tokens if args.max_new_tokens is not None
                                  else getattr(args, "max_new_default", None))}

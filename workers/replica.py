@@ -92,6 +92,11 @@ class Replica:
     def in_flight(self) -> int:
         return self.engine.num_active
 
+    def visible_gpus(self) -> str | None:
+        """``CUDA_VISIBLE_DEVICES`` of this replica's process: the GPUs Ray gave it (what its
+        ``cuda:0`` is), or None where it asked Ray for none (``workers.placement``)."""
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
+
     def cancel(self, request_id: str) -> None:
         self.engine.cancel(request_id)
 
@@ -108,7 +113,8 @@ class Replica:
             self.store.close()
 
 
-def replica_actor(cls: type[Replica], resources: dict[str, float] | None = None) -> Any:
+def replica_actor(cls: type[Replica], resources: dict[str, float] | None = None,
+                  num_gpus: float = 0.0) -> Any:
     """``cls`` as a Ray actor class, ready for ``.remote(config, store_factory, replica_id)``.
 
     ``num_cpus=0``: replicas fix their own torch thread count, and Ray's CPU accounting would
@@ -116,7 +122,8 @@ def replica_actor(cls: type[Replica], resources: dict[str, float] | None = None)
     (``max_concurrency``) so a ``cancel`` reaches a running request and the deployment's
     ``MAX_IN_FLIGHT`` requests (2) run side by side: one fetching or publishing while the
     other computes, since the engine runs one model forward at a time. ``resources`` places it
-    by custom resource (the prefill/decode node types of the deploy files).
+    by custom resource (the prefill/decode node types of the deploy files); ``num_gpus`` (from
+    ``workers.placement``) gives it GPUs of its own.
     """
     return ray.remote(cls).options(num_cpus=0, max_concurrency=4,  # type: ignore[call-overload]
-                                   resources=resources or {})
+                                   num_gpus=num_gpus, resources=resources or {})

@@ -20,10 +20,11 @@ from typing import Any, Literal, get_args
 
 from kvstore.api import TokenIds
 from kvstore.config import KVStoreConfig
-from kvstore.errors import ConfigError, NodeUnavailable
+from kvstore.errors import ClusterUnavailable, ConfigError, NodeUnavailable
 from kvstore.keys import BlockHasher
 from kvstore.local import LocalStore
 from workers.decode import DecodeWorker
+from workers.placement import not_started_message, replica_gpus
 from workers.prefill import PrefillWorker
 from workers.replica import cluster_store_factory, replica_actor
 from workers.router import ReplicaSlot, Router
@@ -32,6 +33,10 @@ from workers.scheduler import InlineCalls, JobKind, RayCalls, RequestOutput, Sch
 
 #: Requests in flight on one replica at most: one computing, one fetching or queued behind it.
 MAX_IN_FLIGHT = 2
+
+#: How long replicas may take to be placed and load their model: Ray waits for busy GPUs (or
+#: resources) forever, so a deployment gives up with what they asked for and what is free.
+REPLICA_START_TIMEOUT_S = 600.0
 
 #: ``inprocess``: replicas in this process over one LocalStore; ``ray``: replicas as actors.
 DeploymentMode = Literal["ray", "inprocess"]
@@ -45,7 +50,8 @@ class Deployment:
                  mode: DeploymentMode = "inprocess", address: str | None = None,
                  own_ray: bool = False, prefill_resources: dict[str, float] | None = None,
                  decode_resources: dict[str, float] | None = None,
-                 max_in_flight: int = MAX_IN_FLIGHT) -> None:
+                 max_in_flight: int = MAX_IN_FLIGHT,
+                 start_timeout_s: float = REPLICA_START_TIMEOUT_S) -> None:
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
         if num_prefill < 1 or num_decode < 1:
@@ -59,6 +65,8 @@ class Deployment:
         self.mode = mode
         self.started_cluster = False
         self.started_ray = False
+        #: GPUs each Ray replica asked for (``workers.placement``); 0 in-process.
+        self.gpus_per_replica = 0.0
         if mode == "inprocess":
             self.store: Any = LocalStore()
             self.prefills: list[Any] = [PrefillWorker(config, lambda: self.store, f"prefill-{i}")
@@ -86,6 +94,8 @@ class Deployment:
                          logging_level=logging.WARNING, log_to_driver=False)
                 self.started_ray = True
             lifecycle.ensure_ray(address)
+            # Decided before anything starts: too few GPUs in the cluster fail here, at once.
+            self.gpus_per_replica = replica_gpus(config.worker, num_prefill + num_decode)
             try:
                 coordinator_handle()
             except NodeUnavailable:  # nothing running: the embedded default
@@ -98,15 +108,17 @@ class Deployment:
             factory = cluster_store_factory(config)
             check_resources(prefill_resources, "--prefill-resource")
             check_resources(decode_resources, "--decode-resource")
-            # Placement by custom resource (the prefill/decode node types of the deploy files).
-            pre = replica_actor(PrefillWorker, prefill_resources)
-            dec = replica_actor(DecodeWorker, decode_resources)
+            # Placement by custom resource (the prefill/decode node types of the deploy files)
+            # and by GPU.
+            pre = replica_actor(PrefillWorker, prefill_resources, self.gpus_per_replica)
+            dec = replica_actor(DecodeWorker, decode_resources, self.gpus_per_replica)
             self.prefills = [pre.remote(config, factory, f"prefill-{i}")
                              for i in range(num_prefill)]
             self.decodes = [dec.remote(config, factory, f"decode-{i}")
                             for i in range(num_decode)]
-            prefill_nodes = ray.get([p.node_id.remote() for p in self.prefills])
-            decode_nodes = ray.get([d.node_id.remote() for d in self.decodes])
+            nodes = self._wait_started(start_timeout_s, {"prefill": prefill_resources,
+                                                         "decode": decode_resources})
+            prefill_nodes, decode_nodes = nodes[:num_prefill], nodes[num_prefill:]
             calls = RayCalls()
         self.namespace = self._call(self.prefills[0], "namespace")
         #: The prefill replicas' reuse policy (``workers.reuse.ReusePolicy.as_dict``).
@@ -119,6 +131,21 @@ class Deployment:
                                                          for i, node in enumerate(decode_nodes)])
         self.scheduler = Scheduler(calls, self.prefills, self.decodes, self.router,
                                    self.decode_router, max_in_flight, self.reuse["resume"])
+
+    def _wait_started(self, timeout_s: float,
+                      resources: dict[str, dict[str, float] | None]) -> list[str]:
+        """Every Ray replica's node once all are up; past ``timeout_s`` they are killed and the
+        error says what they asked for and what the cluster has free."""
+        import ray
+
+        actors = self.prefills + self.decodes
+        try:
+            return list(ray.get([a.node_id.remote() for a in actors], timeout=timeout_s))
+        except ray.exceptions.GetTimeoutError:
+            for actor in actors:  # a replica Ray has not placed yet would take GPUs later
+                ray.kill(actor)
+            raise ClusterUnavailable(not_started_message(
+                len(actors), self.gpus_per_replica, timeout_s, resources)) from None
 
     def _call(self, replica: Any, method: str, *args: Any, **kwargs: Any) -> Any:
         if self.mode == "inprocess":

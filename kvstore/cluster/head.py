@@ -17,6 +17,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvstore.cluster.address import RecordedCluster, answers, auth_mode_for_private_ray, state_dir
@@ -44,8 +45,12 @@ def head_command(port: int, temp_dir: str) -> list[str]:
             *(f"--{name}={value}" for name, value in ports.items())]
 
 
-def start_head() -> RecordedCluster:
-    """Start a private Ray head on this machine and wait until its GCS answers."""
+def start_head(extra_args: Sequence[str] = ()) -> RecordedCluster:
+    """Start a private Ray head on this machine and wait until its GCS answers.
+
+    ``extra_args`` go to ``ray start`` as they are (tests declare resources the machine lacks,
+    e.g. ``--num-gpus=2`` on a CPU-only box).
+    """
     ray_exe = shutil.which("ray")
     if ray_exe is None:
         raise ClusterUnavailable("the `ray` command is not on PATH; install ray, or pass "
@@ -60,7 +65,8 @@ def start_head() -> RecordedCluster:
     env = {**os.environ, "RAY_AUTH_MODE": auth_mode}
     env.pop("RAY_ADDRESS", None)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(head_command(port, temp_dir), stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen([*head_command(port, temp_dir), *extra_args],
+                                stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
     head = RecordedCluster(f"127.0.0.1:{port}", auth_mode, proc.pid, temp_dir)

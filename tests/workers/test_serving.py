@@ -106,13 +106,14 @@ def test_deployment_rejects_bad_settings():
 
 @pytest.fixture(scope="module")
 def ray_private():
-    """A private local Ray (address="local"): never another engineer's running cluster."""
+    """A private local Ray (address="local"): never another engineer's running cluster. CPU-only
+    whatever the machine has (``num_gpus=0``): replicas here ask Ray for no GPU."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="kvstore",
-             log_to_driver=False)
+    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False,
+             namespace="kvstore", log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -125,6 +126,7 @@ def test_ray_actors_share_blocks_across_replicas(ray_private):
     lifecycle.start(config)  # ours, not the deployment's: its status outlives the replicas
     dep = Deployment(config, num_prefill=2, num_decode=1, mode="ray")
     try:
+        assert dep.gpus_per_replica == 0  # worker.gpus_per_replica auto on a CPU-only cluster
         system = make_prompt(96, seed=2)
         outs = [dep.generate(f"r{i}", system + make_prompt(9, seed=20 + i), SAMPLING)
                 for i in range(2)]
