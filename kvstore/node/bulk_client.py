@@ -39,6 +39,12 @@ def _shifted(alloc: Callable[[int, int], memoryview], lo: int
     return lambda i, nbytes: alloc(lo + i, nbytes)
 
 
+def _split(num: int, parts: int) -> list[tuple[int, int]]:
+    """``[0, num)`` as ``parts`` contiguous ranges of near-equal length."""
+    bounds = [num * i // parts for i in range(parts + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(parts) if bounds[i] < bounds[i + 1]]
+
+
 class BulkClient:
     """Reads blocks from one node's bulk channel; idle connections are kept for reuse."""
 
@@ -46,11 +52,12 @@ class BulkClient:
                  ssl_context: ssl.SSLContext | None = None, tls_ca_file: str | None = None,
                  timeout_s: float = 30.0, server_hostname: str | None = None,
                  reader_node_id: str = "", request_blocks: int = 32,
-                 pipeline_depth: int = 4) -> None:
+                 pipeline_depth: int = 4, streams: int = 1) -> None:
         """TLS: ``ssl_context`` (``kvstore.security.tls.client_ssl_context`` of the client's
         config: the CA as a file or PEM text), or a CA file; neither means plaintext."""
         host, _, port = address.rpartition(":")
         self.request_blocks, self.pipeline_depth = request_blocks, pipeline_depth
+        self.streams = max(1, streams)
         self.host, self.port = host.strip("[]"), int(port)
         self.address = address
         self.timeout_s = timeout_s
@@ -91,9 +98,13 @@ class BulkClient:
         it (others come back as absent) and only if the credential grants its tenant
         (PermissionDenied otherwise). Only the cluster token may leave it out (replication).
         Many keys go out as requests of ``request_blocks``, up to ``pipeline_depth`` of them
-        in flight on one connection, so the node never idles waiting for the next request.
-        ``on_batch(first_index, sizes)`` runs as each request's blocks are in (e.g. to verify
-        them while the node is already sending the next ones).
+        in flight on one connection, so the node never idles waiting for the next request;
+        a read of more than one request's blocks is split over up to ``streams``
+        connections, each a contiguous share of the requests on a thread of its own (one TCP
+        stream, and one sending thread on the node, cap a read well below what the bytes
+        allow). ``on_batch(first_index, sizes)`` runs as each request's blocks are in (e.g.
+        to verify them while the node is already sending the next ones), from the thread of
+        the connection that read them: several may run at once, on disjoint indices.
         Returns each block's size (None for a key the node does not hold). Raises
         NodeUnavailable if the node dies mid-stream: then no block of the call is valid.
         """
@@ -104,6 +115,39 @@ class BulkClient:
         spans = [(lo, min(lo + step, len(keys))) for lo in range(0, len(keys), step)]
         requests = [encode_request(self._credential, keys[lo:hi], self.reader_node_id, spec)
                     for lo, hi in spans]
+        shares = _split(len(spans), min(self.streams, len(spans)))
+        if len(shares) == 1:
+            return self._fetch_spans(spans, requests, keys, alloc, on_batch)
+        results: list[list[int | None] | BaseException | None] = [None] * len(shares)
+
+        def run(i: int, first: int, last: int) -> None:
+            try:
+                results[i] = self._fetch_spans(spans[first:last], requests[first:last], keys,
+                                               alloc, on_batch)
+            except BaseException as exc:  # re-raised on the caller's thread below
+                results[i] = exc
+
+        threads = [threading.Thread(target=run, args=(i, first, last), daemon=True,
+                                    name="kvstore-bulk-stream")
+                   for i, (first, last) in enumerate(shares[1:], start=1)]
+        for thread in threads:
+            thread.start()
+        run(0, *shares[0])
+        for thread in threads:
+            thread.join()
+        out: list[int | None] = []
+        for got in results:
+            if isinstance(got, BaseException):
+                raise got
+            assert got is not None
+            out += got
+        return out
+
+    def _fetch_spans(self, spans: list[tuple[int, int]], requests: list[bytes],
+                     keys: Sequence[bytes], alloc: Callable[[int, int], memoryview],
+                     on_batch: Callable[[int, list[int | None]], None] | None
+                     ) -> list[int | None]:
+        """The blocks of ``spans`` (key ranges, one request each) over one connection."""
         # Requests sent ahead sit unread in the node's socket buffer while it streams to us:
         # keep them small, or both sides could block on full buffers.
         ahead = self.pipeline_depth if sum(map(len, requests[:self.pipeline_depth])) \

@@ -100,7 +100,8 @@ def test_bulk_pipelines_small_requests_and_keeps_the_stream_in_step(server) -> N
     None, and the connection stays usable for the next call."""
     srv, pool = server
     grpc_addr, bulk_addr = srv.addresses
-    cfg = ClientConfig(timeout_s=5, retries=1, bulk_request_blocks=2, bulk_pipeline_depth=3)
+    cfg = ClientConfig(timeout_s=5, retries=1, bulk_request_blocks=2, bulk_pipeline_depth=3,
+                       bulk_streams=1)
     client = StoreNodeClient(grpc_addr, bulk_address=bulk_addr, config=cfg)
     ns = make_namespace()
     keys, _, blocks = make_blocks(ns, 7)
