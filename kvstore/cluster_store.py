@@ -42,6 +42,7 @@ from kvstore.api import (
 from kvstore.block import block_nbytes, payload_offset
 from kvstore.block_batch import encode_blocks_into
 from kvstore.config import ClientConfig
+from kvstore.early_fetch import EarlyFetch
 from kvstore.errors import (
     BlockCorrupted,
     BlockMismatch,
@@ -53,7 +54,7 @@ from kvstore.index.base import Index
 from kvstore.index.view import IndexView
 from kvstore.keys import Namespace
 from kvstore.node.client import StoreNodeClient
-from kvstore.node.device_copy import DeviceRows, target_device
+from kvstore.node.device_copy import DeviceRows, dma_path, target_device
 
 Directory = Callable[[str], NodeAddress] | Callable[[], Mapping[str, NodeAddress]]
 
@@ -99,8 +100,42 @@ class ClusterStore:
             # it, so the batch's memory lives as long as any of them.
             return self.batch_get_into(namespace, keys, token_ids,
                                        new_block_buffer(namespace, len(keys)))
+        # Rows of whole blocks: a run of blocks adjacent in a same-node arena is one copy.
         return self._batch_get(namespace, [bytes(k) for k in keys], token_ids,
-                               DeviceRows(target, len(keys), namespace.payload_nbytes))
+                               DeviceRows(target, len(keys), block_nbytes(namespace),
+                                          payload_offset=payload_offset(namespace)))
+
+    def batch_get_early(self, namespace: Namespace, keys: Sequence[bytes],
+                        token_ids: Sequence[TokenIds], *, device: torch.device | str
+                        ) -> EarlyFetch:
+        """``batch_get`` into ``device`` whose blocks the caller may compute on before they
+        are verified (``kvstore.early_fetch``; only same-node reads into a GPU offer blocks
+        early, elsewhere they come verified): the read runs on a thread of its own."""
+        if len(keys) != len(token_ids):
+            raise ValueError(f"{len(keys)} keys but {len(token_ids)} token lists")
+        target = target_device(device)
+        if target is None:
+            raise ValueError("an early fetch needs a device (cpu or cuda)")
+        sink = DeviceRows(target, len(keys), block_nbytes(namespace),
+                          payload_offset=payload_offset(namespace))
+        return EarlyFetch(self._batch_get, namespace, [bytes(k) for k in keys], token_ids,
+                          sink)
+
+    def prepare_device_reads(self, device: torch.device | str, *, wait: bool = False) -> str:
+        """Get same-node reads into ``device`` ready before the first request: page-lock this
+        node's arena in the background (seconds for a large arena, far too long inside a
+        lease; reads stage until it is done; ``wait``: until it is done). Returns the path
+        such reads take (``kvstore.node.device_copy.dma_path``: direct, staged or host)."""
+        target = target_device(device)
+        path = dma_path(target)
+        if target is None or path != "direct":
+            return path
+        try:
+            client = self._client(self.local_node_id)
+        except KVStoreError:  # no store node on this host: every read is remote
+            return path
+        return "direct" if client.prepare_device_reads(target, wait=wait) or not wait \
+            else "staged"
 
     def batch_get_into(self, namespace: Namespace, keys: Sequence[bytes],
                        token_ids: Sequence[TokenIds], out: torch.Tensor
@@ -129,19 +164,23 @@ class ClusterStore:
         candidates = [self._order(h) for h in holders]
         tried: list[set[str]] = [set() for _ in keys]
         last_miss: dict[int, Miss] = {}
-        self._fetch_rounds(namespace, keys, token_ids, out, candidates, tried, results,
-                           last_miss)
-        # Holders that turned out not to hold a key (or failed) were dropped from the view by
-        # _fetch_group: if the view answered from memory, its promise may have been stale, so
-        # ask the index once for those keys and try any holder not tried yet.
-        again = [i for i in last_miss if results[i] is None and self.view.ttl_s > 0]
-        if again:
-            with contextlib.suppress(Exception):  # the index is down: they stay misses
-                fresh = self.view.holders([keys[i] for i in again])
-                for i, h in zip(again, fresh, strict=True):
-                    candidates[i] = [n for n in self._order(h) if n not in tried[i]]
-                self._fetch_rounds(namespace, keys, token_ids, out, candidates, tried,
-                                   results, last_miss)
+        try:
+            self._fetch_rounds(namespace, keys, token_ids, out, candidates, tried, results,
+                               last_miss)
+            # Holders that turned out not to hold a key (or failed) were dropped from the view
+            # by _fetch_group: if the view answered from memory, its promise may have been
+            # stale, so ask the index once for those keys and try any holder not tried yet.
+            again = [i for i in last_miss if results[i] is None and self.view.ttl_s > 0]
+            if again:
+                with contextlib.suppress(Exception):  # the index is down: they stay misses
+                    fresh = self.view.holders([keys[i] for i in again])
+                    for i, h in zip(again, fresh, strict=True):
+                        candidates[i] = [n for n in self._order(h) if n not in tried[i]]
+                    self._fetch_rounds(namespace, keys, token_ids, out, candidates, tried,
+                                       results, last_miss)
+        finally:
+            if isinstance(out, DeviceRows):
+                out.wait()  # no copy may still write the rows once they can be freed
         if isinstance(out, DeviceRows):
             # A device row of a miss may hold a rejected block's bytes: none may stay there.
             out.zero([i for i, r in enumerate(results) if r is None])

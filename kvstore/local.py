@@ -21,7 +21,7 @@ from kvstore.api import (
     PrefixHit,
     TokenIds,
 )
-from kvstore.block import decode_block, encode_block
+from kvstore.block import block_nbytes, decode_block, encode_block, payload_offset
 from kvstore.errors import BlockCorrupted, BlockMismatch
 from kvstore.keys import Namespace
 from kvstore.node.device_copy import DeviceRows, StagingPool, target_device
@@ -72,14 +72,15 @@ class LocalStore:
     def _to_device(self, namespace: Namespace, results: list[FetchedBlock | Miss],
                    target: torch.device) -> None:
         """Replace each verified payload (a view into the stored block) with a view into one
-        ``[n, *payload_shape]`` tensor on ``target``."""
-        rows = DeviceRows(target, len(results), namespace.payload_nbytes)
+        buffer of block rows on ``target``, laid out as ``ClusterStore``'s device reads."""
+        off, nbytes = payload_offset(namespace), block_nbytes(namespace)
+        rows = DeviceRows(target, len(results), nbytes, payload_offset=off)
         good = [i for i, r in enumerate(results) if isinstance(r, FetchedBlock)]
-        with self._staging.rows(len(results), namespace.payload_nbytes,
-                                pinned=rows.is_cuda) as stage:
+        with self._staging.rows(len(results), nbytes, pinned=rows.is_cuda) as stage:
+            stage[:, :off] = 0  # a reused buffer: no earlier request's bytes travel along
             for i, r in enumerate(results):
                 if isinstance(r, FetchedBlock):
-                    stage[i].copy_(r.payload.reshape(-1).view(torch.uint8))
+                    stage[i, off:].copy_(r.payload.reshape(-1).view(torch.uint8))
             rows.copy_rows(stage, good, good, slice(None))
             rows.wait()
         rows.zero([i for i, r in enumerate(results) if isinstance(r, Miss)])

@@ -129,6 +129,12 @@ PUBLISH_LATENCY = Histogram("kvstore_worker_publish_seconds",
                             "From a prefill's blocks being queued to their put returning",
                             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
                             registry=REGISTRY)
+DEVICE_READS = Counter("kvstore_worker_device_reads",
+                       "Same-node reads of large blocks into a CUDA device, by path: direct "
+                       "(DMA from the page-locked arena) or staged (pinned staging copies)",
+                       ["path"], registry=REGISTRY)
+#: How a same-node read reaches a CUDA device (``kvstore.node.device_reads``).
+DEVICE_READ_PATHS = ("direct", "staged")
 #: Outcomes of a background publish: put, dropped (backlog full, publish_when_full: drop),
 #: failed (the store refused or was unreachable).
 PUBLISH_OUTCOMES = ("published", "dropped", "failed")
@@ -286,6 +292,12 @@ def observe_reuse_policy(policy: dict[str, object]) -> None:
     REUSE_POLICY.labels(mode=str(policy["mode"]), resume=str(policy["resume"]),
                         min_piece=str(sizes[0]) if isinstance(sizes, list) and sizes else "any",
                         exact=str(policy["exact"]).lower()).set(1)
+
+
+def record_device_read(path: str) -> None:
+    """One same-node read into a CUDA device over ``path`` (``DEVICE_READ_PATHS``)."""
+    check_label(path, DEVICE_READ_PATHS, "path")
+    DEVICE_READS.labels(path).inc()
 
 
 def record_publish(outcome: str, num_blocks: int, seconds: float | None = None) -> None:

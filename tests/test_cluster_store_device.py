@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from kvstore import metrics
 from kvstore.api import (
     MISS_CORRUPTED,
     MISS_MISMATCH,
@@ -25,13 +26,14 @@ from kvstore.api import (
     Miss,
     NodeAddress,
 )
-from kvstore.block import block_nbytes, payload_view
+from kvstore.block import block_nbytes, payload_offset, payload_view
 from kvstore.cluster_store import ClusterStore
 from kvstore.config import ClientConfig, ServerConfig
 from kvstore.index.memory import InMemoryIndex
 from kvstore.keys import Namespace
 from kvstore.local import LocalStore
 from kvstore.node import device_reads
+from kvstore.node.device_copy import ROW_ALIGN
 from kvstore.node.pool import BlockPool
 from kvstore.node.server import StoreServer
 from kvstore.node.shm_reader import SMALL_BLOCK_BYTES
@@ -111,12 +113,13 @@ def publish(cluster: Cluster, ns: Namespace) -> tuple[list[BlockPut], list[list[
 def check_device_batch(got: list[FetchedBlock | Miss], want: list[torch.Tensor | str],
                        ns: Namespace, device: torch.device) -> None:
     """Each result is the wanted payload (bitwise) or a miss with the wanted reason; fetched
-    payloads are rows of one contiguous ``[n, *payload_shape]`` tensor on ``device``, and the
-    rows of misses are zeros."""
+    payloads are contiguous views into one buffer of rows on ``device`` (a whole block per
+    row, ``ROW_ALIGN``-aligned, the payload after its header), and the rows of misses are
+    zeros."""
     fetched = [g for g in got if isinstance(g, FetchedBlock)]
     assert fetched, "every batch here has good blocks"
     base = fetched[0].payload.untyped_storage()
-    row_nbytes = ns.payload_nbytes
+    row_nbytes = -(-block_nbytes(ns) // ROW_ALIGN) * ROW_ALIGN
     rows = torch.empty(0, dtype=torch.uint8, device=device).set_(base).view(-1, row_nbytes)
     assert rows.shape[0] == len(got)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -127,7 +130,8 @@ def check_device_batch(got: list[FetchedBlock | Miss], want: list[torch.Tensor |
         assert isinstance(g, FetchedBlock), (i, g)
         assert g.payload.device == device and g.payload.shape == ns.payload_shape
         assert g.payload.untyped_storage().data_ptr() == base.data_ptr()
-        assert g.payload.data_ptr() == base.data_ptr() + i * row_nbytes  # row i, contiguous
+        assert g.payload.is_contiguous()
+        assert g.payload.data_ptr() == base.data_ptr() + i * row_nbytes + payload_offset(ns)
         assert torch.equal(g.payload.view(torch.int16).cpu(), w.view(torch.int16).cpu())
 
 
@@ -239,4 +243,29 @@ def test_cuda_same_node_reads_page_lock_the_arena(make_cluster) -> None:
     assert all(isinstance(g, FetchedBlock) for g in got)
     reader = store._client("node-a")._reader()
     assert reader.pin_for_dma(), "cudaHostRegister(read-only) refused: reads fall back to staging"
+    direct = metrics.DEVICE_READS.labels("direct")._value.get()
+    got = store.batch_get(ns, [p.key for p in puts], tokens, device="cuda")  # once it is locked
+    assert all(isinstance(g, FetchedBlock) for g in got)
+    assert metrics.DEVICE_READS.labels("direct")._value.get() == direct + 1
     store.close()  # unregisters before unmapping
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keyed", [False, True], ids=["xxh3", "mac"])
+def test_cuda_early_fetch_offers_rows_before_verdicts_and_then_rejects_bad_ones(
+        make_cluster, keyed: bool) -> None:
+    """A same-node read into the GPU with the arena page-locked offers its rows as soon as
+    the copies are queued (unverified); the verdicts then equal ``batch_get``'s: the corrupted
+    block and the one asked with other tokens are misses, the good ones bitwise right."""
+    cluster, ns = make_cluster(keyed), make_namespace("large", keyed)
+    keys, asked, want = with_bad_blocks(cluster, ns)
+    store = cluster.store("node-a")
+    assert store.prepare_device_reads("cuda", wait=True) == "direct"
+    early = store.batch_get_early(ns, keys, asked, device="cuda")
+    payloads, verified = early.leading()
+    got = early.result()
+    assert verified or len(payloads) == 4  # the four held blocks lead; the unknown key last
+    device = torch.device("cuda", torch.cuda.current_device())
+    check_device_batch(got, [w.to(device) if isinstance(w, torch.Tensor) else w for w in want],
+                       ns, device)
+    store.close()

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("index", ("kvstore.index",)),
     ("node", ("kvstore.node",)),
     ("coordinator", ("kvstore.coordinator",)),
-    ("stores", ("kvstore.local", "kvstore.cluster_store")),
+    ("stores", ("kvstore.local", "kvstore.early_fetch", "kvstore.cluster_store")),
     ("cluster", ("kvstore.cluster",)),
     ("workers", ("workers",)),
     ("frontend", ("frontend",)),

@@ -80,7 +80,8 @@ class StoreNodeClient:
                                 server_hostname=tls_server_name,
                                 reader_node_id=self.reader_node_id,
                                 request_blocks=cfg.bulk_request_blocks,
-                                pipeline_depth=cfg.bulk_pipeline_depth) if bulk_address else None
+                                pipeline_depth=cfg.bulk_pipeline_depth,
+                                streams=cfg.bulk_streams) if bulk_address else None
         self._shm: Any = None
         self._shm_lock = threading.Lock()
         self._staging = StagingPool()  # host rows remote blocks land in on their way to a device
@@ -252,6 +253,12 @@ class StoreNodeClient:
             if self._shm is None:
                 self._shm = ShmReader(self.shm_path)  # type: ignore[arg-type]
             return self._shm
+
+    def prepare_device_reads(self, device: Any, *, wait: bool = False) -> bool:
+        """Start page-locking the holder's arena for DMA into ``device`` (same node only), in
+        the background: reads stage until it is done (``ShmReader.pin_for_dma``). Whether it
+        is page-locked now (with ``wait``: once it is done)."""
+        return self.same_node and self._reader().pin_for_dma(device, wait=wait)
 
     def get_verified_into(self, namespace: Namespace, keys: Sequence[bytes],
                           token_ids: Sequence[Any], buffers: Sequence[Buffer]

@@ -3,15 +3,17 @@
 Which way a block travels::
 
     same node, blocks > SMALL_BLOCK_BYTES, arena page-locked (or a CPU target): direct
-        CUDA: every leased payload arena -> device row, async on the side stream, issued first
+        CUDA: each run of adjacent leased blocks arena -> device rows in one async copy on
+              the side stream, all issued first
         meanwhile on the verify pool: verify_block over the same leased arena bytes
-        CPU:  per block on the verify pool: verify_block, then copy the payload to its row
+        CPU:  per block on the verify pool: verify_block, then copy the block to its row
         wait for the copies; zero the rows of rejected blocks; the caller re-checks the lease
-    same node, small blocks, or an arena the driver would not page-lock: staged
-        gather into host staging rows, verify there, one copy of the batch to the device
+    same node, small blocks, or an arena the driver would not (or not yet) page-lock: staged
+        gather into host staging rows, verify there, one copy per part to the device
     other node (bulk channel, gRPC): staged
         land in host staging rows (pinned for CUDA, reused), verified request by request
-        while the next one streams, one copy of the batch to the device
+        while the next one streams, one copy per part to the device, the next part landing
+        in a second buffer meanwhile
 
 Verifying the leased arena bytes instead of a copy is sound because of the lease: a block is
 immutable, and its extent is not reused while a lease holds it. The copies land before the
@@ -22,11 +24,13 @@ zeroed (a DMA may already have written it); on the CPU it is never written at al
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from kvstore import metrics
 from kvstore.block import block_nbytes, payload_offset, verify_block
 from kvstore.errors import BlockCorrupted, BlockMismatch
 from kvstore.keys import Namespace
@@ -44,6 +48,12 @@ from kvstore.node.verify_pool import parallel_map
 #: The most host staging one batch holds at once (per client, pinned for CUDA): a larger batch
 #: is staged and copied in parts of this size.
 STAGING_BYTES = 256 << 20
+
+#: Threads that verify a read whose rows were offered early (``DeviceRows.early``): the
+#: model's forward then runs beside the verification and needs the GIL for its kernel
+#: launches, so a few threads (hashing ~27 GB/s together on an H200 host, still ahead of the
+#: forward) contend with it less than the whole pool would.
+EARLY_VERIFY_THREADS = 4
 
 #: ``land(lo, hi, stage)``: put blocks ``lo..hi-1`` into ``stage`` rows, return their verdicts
 #: (size, rejection, or None) and, per stage row in use, which block (counted from ``lo``).
@@ -86,17 +96,47 @@ def shm_into_device(reader: ShmReader, where: dict[bytes, BlockLocation], keys: 
 
 def reads_directly(sink: DeviceRows, reader: ShmReader) -> bool:
     """Whether large blocks go straight from the arena to ``sink``: always to the CPU, to CUDA
-    once the arena is page-locked (tests force the staged way by replacing this)."""
-    return not sink.is_cuda or reader.pin_for_dma()
+    once the arena is page-locked. The registration runs in the background (it can take
+    seconds for a large arena); reads stage until it is done, and where the driver refuses
+    (tests force the staged way by replacing this)."""
+    if not sink.is_cuda:
+        return True
+    direct = reader.pin_for_dma(sink.device, wait=False)
+    metrics.record_device_read("direct" if direct else "staged")
+    return direct
+
+
+def _runs(locs: list[BlockLocation | None], rows: Sequence[int], nbytes: int, stride: int
+          ) -> list[tuple[int, int]]:
+    """Maximal runs ``(first, count)`` of blocks whose arena extents lie ``stride`` apart and
+    whose rows follow each other: each is one copy. A block of the wrong size is left out
+    (verification rejects it)."""
+    out: list[tuple[int, int]] = []
+    for j, loc in enumerate(locs):
+        if loc is None or loc.nbytes != nbytes:
+            continue
+        if out:
+            first, count = out[-1]
+            prev = locs[first + count - 1]
+            if first + count == j and prev is not None and \
+                    loc.offset == prev.offset + stride and rows[j] == rows[j - 1] + 1:
+                out[-1] = (first, count + 1)
+                continue
+        out.append((j, 1))
+    return out
 
 
 def _direct(reader: ShmReader, locs: list[BlockLocation | None], keys: list[bytes],
             tokens: Sequence[Any], namespace: Namespace, sink: DeviceRows, rows: Sequence[int],
             keep_alive: Callable[[], None]) -> list[Any]:
-    """Copy each leased payload straight from the arena to its row while verifying the arena
-    bytes (CUDA: all copies issued up front, verification overlapping the DMA)."""
-    off, size = payload_offset(namespace), namespace.payload_nbytes
+    """Copy the leased blocks straight from the arena to their rows while verifying the arena
+    bytes (CUDA: one copy per run of adjacent blocks, all issued up front, verification
+    overlapping the DMA)."""
+    nbytes = block_nbytes(namespace)
     early = sink.is_cuda  # a DMA runs beside the host; a CPU copy would only take a thread
+    # Rows of whole blocks take runs of adjacent blocks in one copy; rows of payloads only
+    # (payload_offset 0) take each block's payload.
+    skip = 0 if sink.payload_offset else payload_offset(namespace)
 
     def one(j: int) -> Any:
         keep_alive()
@@ -108,16 +148,22 @@ def _direct(reader: ShmReader, locs: list[BlockLocation | None], keys: list[byte
         except (BlockCorrupted, BlockMismatch) as exc:
             return detached(exc)
         if not early:
-            sink.copy(rows[j], reader.tensor(loc.offset + off, size))
+            sink.copy(rows[j], reader.tensor(loc.offset + skip, nbytes - skip))
         return loc.nbytes
 
     try:
         if early:
-            for j, loc in enumerate(locs):
-                if loc is not None and loc.nbytes >= off + size:  # shorter: rejected below
-                    sink.copy(rows[j], reader.tensor(loc.offset + off, size))
+            runs = _runs(locs, rows, nbytes, sink.row_stride) if not skip else \
+                [(j, 1) for j, loc in enumerate(locs) if loc is not None and loc.nbytes == nbytes]
+            for first, count in runs:
+                loc = locs[first]
+                assert loc is not None
+                sink.copy_run(rows[first], reader.tensor(
+                    loc.offset + skip, (count - 1) * sink.row_stride + nbytes - skip))
+            sink.issued([rows[j] for first, count in runs for j in range(first, first + count)])
         verdicts = parallel_map(one, len(keys),
-                                nbytes=sum(loc.nbytes for loc in locs if loc is not None))
+                                nbytes=sum(loc.nbytes for loc in locs if loc is not None),
+                                max_threads=EARLY_VERIFY_THREADS if sink.early else None)
         if early:
             sink.zero([rows[j] for j, v in enumerate(verdicts) if isinstance(v, Exception)])
     finally:
@@ -129,23 +175,33 @@ def staged_into_device(land: Land, num_blocks: int, namespace: Namespace, sink: 
                        rows: Sequence[int], staging: StagingPool) -> list[Any]:
     """Blocks landed and verified in host staging rows by ``land``, then the good ones copied
     to their device rows (block ``i`` -> ``rows[i]``) in one copy per part of at most
-    ``STAGING_BYTES``; per block the verdict ``land`` gave."""
+    ``STAGING_BYTES``, double-buffered: a part lands while the one before it is copied. Per
+    block the verdict ``land`` gave."""
     nbytes = block_nbytes(namespace)
-    off = payload_offset(namespace)
-    cols = slice(off, off + namespace.payload_nbytes)
+    # Rows of whole blocks take every byte; rows of payloads (payload_offset 0) the payload.
+    start = payload_offset(namespace) if sink.payload_offset == 0 else 0
+    cols = slice(start, nbytes)
     per = max(1, STAGING_BYTES // nbytes)
+    parts = [(lo, min(num_blocks, lo + per)) for lo in range(0, num_blocks, per)]
     out: list[Any] = []
-    for lo in range(0, num_blocks, per):
-        hi = min(num_blocks, lo + per)
-        with staging.rows(hi - lo, nbytes, pinned=sink.is_cuda) as stage:
-            try:
+    with contextlib.ExitStack() as stack:
+        buffers = [stack.enter_context(staging.rows(min(per, num_blocks), nbytes,
+                                                    pinned=sink.is_cuda))
+                   for _ in range(min(2, len(parts)))]
+        marks: list[Any] = [None] * len(buffers)
+        try:
+            for p, (lo, hi) in enumerate(parts):
+                b = p % len(buffers)
+                sink.wait_for(marks[b])  # the copy out of this buffer has read it
+                stage = buffers[b][:hi - lo]
                 verdicts, row_blocks = land(lo, hi, stage)
                 good = [(r, j) for r, j in enumerate(row_blocks) if _fetched(verdicts[j])]
                 sink.copy_rows(stage, [r for r, _ in good], [rows[lo + j] for _, j in good],
                                cols)
-            finally:
-                sink.wait()  # the copy has read the staging rows before they go back
-        out += verdicts
+                marks[b] = sink.mark()
+                out += verdicts
+        finally:
+            sink.wait()  # every copy has read its staging rows before they go back
     return out
 
 

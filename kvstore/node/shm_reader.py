@@ -81,6 +81,8 @@ class ShmReader:
         self._arr = np.frombuffer(self._mm, dtype=np.uint8)
         self._tensor: torch.Tensor | None = None
         self._pinned: bool | None = None  # page-locked for DMA: unknown until a CUDA read
+        self._pin_thread: threading.Thread | None = None
+        self._pin_device: torch.device | None = None
         self._lock = threading.Lock()
 
     def _src(self, location: BlockLocation) -> np.ndarray:
@@ -109,14 +111,31 @@ class ShmReader:
                     self._tensor = torch.from_numpy(self._arr)
             return self._tensor[offset : offset + nbytes]
 
-    def pin_for_dma(self) -> bool:
-        """Page-lock the whole mapping once (``cudaHostRegister``, read-only), so CUDA copies
-        read blocks straight out of it; False if the driver refused (then reads stage)."""
+    def pin_for_dma(self, device: torch.device | None = None, *, wait: bool = True) -> bool:
+        """Whether the whole mapping is page-locked (``cudaHostRegister``, read-only) so CUDA
+        copies read blocks straight out of it; False if the driver refused (reads stage).
+
+        The first call starts the registration on a thread of its own (~0.16 s per GiB: far
+        too long to run inside a lease); ``wait=False`` answers at once (False until it is
+        done), so reads take the staged path meanwhile instead of waiting for it."""
         with self._lock:
-            if self._pinned is None:
-                self._pinned = device_copy.register_host(self._arr.ctypes.data, self.size,
-                                                         f"pool arena {self.path}")
-            return self._pinned
+            if self._pin_thread is None and self._pinned is None:
+                self._pin_thread = threading.Thread(target=self._pin, args=(device,),
+                                                    daemon=True, name="kvstore-arena-pin")
+                self._pin_thread.start()
+            thread = self._pin_thread
+        if wait and thread is not None:
+            thread.join()
+        with self._lock:
+            return bool(self._pinned)
+
+    def _pin(self, device: torch.device | None) -> None:
+        # Only a MAP_SHARED mapping is registered (this class maps nothing else): page-locking a
+        # private mapping would pin copy-on-write pages that never see the node's writes.
+        pinned = device_copy.register_host(self._arr.ctypes.data, self.size,
+                                           f"pool arena {self.path}", device)
+        with self._lock:
+            self._pinned, self._pin_device = pinned, device
 
     def copy_into(self, location: BlockLocation, dst: Buffer) -> int:
         """Copy one block's bytes to the start of ``dst``; returns the bytes copied."""
@@ -189,8 +208,10 @@ class ShmReader:
         """Unmap the arena (arrays handed out by ``copy_into`` are the caller's own memory)."""
         if self._mm.closed:
             return
+        if self._pin_thread is not None:
+            self._pin_thread.join()  # never unmap memory the driver is still registering
         if self._pinned:
-            device_copy.unregister_host(self._arr.ctypes.data)
+            device_copy.unregister_host(self._arr.ctypes.data, self._pin_device)
             self._pinned = False
         self._tensor = None
         self._arr = np.empty(0, dtype=np.uint8)  # drop our export so the map can close

@@ -91,16 +91,17 @@ class _Batch(Generic[T]):
                     self.finished.set()
 
 
-def parallel_map(fn: Callable[[int], T], n: int, *, nbytes: int = 0) -> list[T]:
-    """``[fn(0), ..., fn(n - 1)]`` computed by up to ``num_threads()`` threads, the caller one
-    of them; ``nbytes`` (the batch's bytes, when known) keeps small batches, and batches of
-    small items, on fewer threads.
+def parallel_map(fn: Callable[[int], T], n: int, *, nbytes: int = 0,
+                 max_threads: int | None = None) -> list[T]:
+    """``[fn(0), ..., fn(n - 1)]`` computed by up to ``num_threads()`` threads (at most
+    ``max_threads``), the caller one of them; ``nbytes`` (the batch's bytes, when known) keeps
+    small batches, and batches of small items, on fewer threads.
 
     Returns only once every item that was started has finished, so no thread still writes into
     a caller's buffer (or reads a leased mapping) afterwards; the first exception an item
     raised is raised then, and items not yet started when it happened are skipped.
     """
-    threads = min(num_threads(), n)
+    threads = min(num_threads(), n, max_threads or n)
     if nbytes:
         threads = min(threads, max(1, nbytes // MIN_BYTES_PER_THREAD))
         if nbytes < n * MIN_BYTES_PER_ITEM:

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvstore.block import payload_view
+from kvstore.block import block_nbytes, payload_offset, payload_view
 from kvstore.errors import BlockCorrupted, BlockMismatch
 from kvstore.keys import Namespace
 from kvstore.node import device_reads, verify_pool
 from kvstore.node.device_copy import DeviceRows, StagingPool, register_host, target_device
-from kvstore.node.pool import BlockPool
+from kvstore.node.pool import BlockLocation, BlockPool
 from kvstore.node.shm_reader import ShmReader
 from tests.node.test_server import make_blocks
 from tests.support.arena import corrupt_in_arena
@@ -48,6 +48,9 @@ def test_parallel_map_keeps_order_and_uses_threads() -> None:
     seen.clear()
     verify_pool.parallel_map(work, 8, nbytes=1000)  # too few bytes to be worth a thread
     assert seen == {threading.current_thread().name}
+    seen.clear()
+    assert verify_pool.parallel_map(work, 30, max_threads=2) == [i * i for i in range(30)]
+    assert len(seen) <= 2
 
 
 def test_parallel_map_raises_after_every_started_item_finished() -> None:
@@ -155,9 +158,15 @@ def arena() -> Iterator[tuple[BlockPool, ShmReader]]:
     assert not os.path.exists(pool.path)
 
 
+def block_rows(device: torch.device, num_rows: int, ns: Namespace) -> DeviceRows:
+    """Rows of whole blocks, as ``ClusterStore`` reads into."""
+    return DeviceRows(device, num_rows, block_nbytes(ns), payload_offset=payload_offset(ns))
+
+
+@pytest.mark.parametrize("layout", ["payloads", "blocks"])
 @pytest.mark.parametrize("way", ["direct", "staged"])
 @pytest.mark.parametrize("ns", [LARGE, SMALL], ids=["large", "small"])
-def test_shm_into_device_rows(arena, monkeypatch, ns: Namespace, way: str) -> None:
+def test_shm_into_device_rows(arena, monkeypatch, ns: Namespace, way: str, layout: str) -> None:
     pool, reader = arena
     keys, tokens, blocks = make_blocks(ns, 4, seed=5)
     for key, block in zip(keys, blocks, strict=True):
@@ -168,7 +177,8 @@ def test_shm_into_device_rows(arena, monkeypatch, ns: Namespace, way: str) -> No
     where = {loc.key: loc for loc in lease.locations}
     if way == "staged":
         monkeypatch.setattr(device_reads, "reads_directly", lambda sink, reader: False)
-    sink = DeviceRows(torch.device("cpu"), 6, ns.payload_nbytes)
+    sink = DeviceRows(torch.device("cpu"), 6, ns.payload_nbytes) if layout == "payloads" \
+        else block_rows(torch.device("cpu"), 6, ns)
     sink.dst.fill_(0xAB)
     renewals: list[int] = []
     rows = [5, 0, 2, 3]  # any row order
@@ -183,6 +193,73 @@ def test_shm_into_device_rows(arena, monkeypatch, ns: Namespace, way: str) -> No
     for row in (0, 2, 3):  # rejected and absent blocks never reach their rows on the CPU
         assert bool((sink.dst[row] == 0xAB).all())
     pool.release(lease.lease_id)
+
+
+def test_runs_join_blocks_adjacent_in_the_arena_and_in_the_rows() -> None:
+    loc = [BlockLocation(b"", off, 100) for off in (0, 128, 256, 512, 640)]
+    # 0-1-2 adjacent (stride 128), 3-4 adjacent; a gap between 2 and 3.
+    assert device_reads._runs(loc, [0, 1, 2, 3, 4], 100, 128) == [(0, 3), (3, 2)]
+    # Rows out of order break a run; absent and wrong-sized blocks are left out.
+    assert device_reads._runs(loc, [0, 2, 1, 3, 4], 100, 128) == [(0, 1), (1, 1), (2, 1),
+                                                                  (3, 2)]
+    odd = [loc[0], None, loc[2], BlockLocation(b"", 384, 99), loc[4]]
+    assert device_reads._runs(odd, [0, 1, 2, 3, 4], 100, 128) == [(0, 1), (2, 1), (4, 1)]
+
+
+def test_the_dma_path_copies_each_run_of_adjacent_blocks_once(arena, monkeypatch) -> None:
+    """The CUDA direct path's copy plan, on the CPU: blocks stored back to back move as one
+    copy per run, the copies land before the verdicts are returned, and a rejected block's
+    row is zeroed after its run was copied."""
+    pool, reader = arena
+    keys, tokens, blocks = make_blocks(LARGE, 6, seed=9)
+    for key, block in zip(keys, blocks, strict=True):
+        pool.put(key, block)
+    corrupt_in_arena(pool, keys[2])
+    lease = pool.lease(keys, 30)
+    where = {loc.key: loc for loc in lease.locations}
+    offsets = sorted(loc.offset for loc in lease.locations)
+    assert offsets == [offsets[0] + i * offsets[1] - i * offsets[0] for i in range(6)], \
+        "a fresh pool stores blocks back to back"
+    monkeypatch.setattr(device_reads, "reads_directly", lambda sink, reader: True)
+    sink = block_rows(torch.device("cpu"), 6, LARGE)
+    sink.is_cuda = True  # the DMA plan: every run issued up front, verified beside
+    runs: list[int] = []
+    real = sink.copy_run
+    monkeypatch.setattr(sink, "copy_run", lambda row, src: (runs.append(row), real(row, src)))
+    rows = [0, 1, 2, 3, 5, 4]  # the last two swap rows: their run splits
+    verdicts = device_reads.shm_into_device(reader, where, list(keys), tokens, LARGE, sink,
+                                            rows, lambda: None, StagingPool())
+    assert runs == [0, 5, 4]  # blocks 0-3 in one copy, then 4 and 5 apart
+    assert isinstance(verdicts[2], BlockCorrupted) and not sink.dst[2].any()
+    got = sink.payloads(LARGE)
+    for i in (0, 1, 3, 4, 5):
+        assert verdicts[i] == len(blocks[i])
+        assert torch.equal(got[rows[i]].view(torch.int16),
+                           payload_view(blocks[i], LARGE).view(torch.int16))
+    pool.release(lease.lease_id)
+
+
+def test_staged_parts_alternate_between_two_buffers(monkeypatch) -> None:
+    """A batch larger than the staging size lands part by part in two alternating buffers
+    (one being copied while the next lands), every block in its row."""
+    monkeypatch.setattr(device_reads, "STAGING_BYTES", 2 * block_nbytes(SMALL))
+    keys, tokens, blocks = make_blocks(SMALL, 7, seed=4)
+    staging = StagingPool()
+    seen: list[int] = []
+
+    def land(lo: int, hi: int, stage: torch.Tensor) -> tuple[list[int], range]:
+        seen.append(stage.data_ptr())
+        for j in range(hi - lo):
+            stage[j].copy_(torch.frombuffer(bytearray(blocks[lo + j]), dtype=torch.uint8))
+        return [len(blocks[lo + j]) for j in range(hi - lo)], range(hi - lo)
+
+    sink = block_rows(torch.device("cpu"), 7, SMALL)
+    rows = [6, 5, 4, 3, 2, 1, 0]
+    verdicts = device_reads.staged_into_device(land, 7, SMALL, sink, rows, staging)
+    assert verdicts == [len(b) for b in blocks]
+    assert len(seen) == 4 and seen[0] == seen[2] and seen[1] == seen[3] and seen[0] != seen[1]
+    for i, block in enumerate(blocks):
+        assert bytes(sink.dst[rows[i], :len(block)].numpy()) == bytes(block)
 
 
 def test_shm_reader_tensor_is_a_bounded_view(arena) -> None:
@@ -212,8 +289,8 @@ def test_cuda_shm_into_device_rows(arena, monkeypatch, way: str) -> None:
     where = {loc.key: loc for loc in lease.locations}
     if way == "staged":
         monkeypatch.setattr(device_reads, "reads_directly", lambda sink, reader: False)
-    sink = DeviceRows(torch.device("cuda", torch.cuda.current_device()), 3,
-                      LARGE.payload_nbytes)
+    sink = block_rows(torch.device("cuda", torch.cuda.current_device()), 3, LARGE)
+    reader.pin_for_dma(sink.device)  # registered before the read: the direct way is taken
     verdicts = device_reads.shm_into_device(reader, where, list(keys), tokens, LARGE, sink,
                                             [0, 1, 2], lambda: None, StagingPool())
     assert isinstance(verdicts[1], BlockCorrupted)
