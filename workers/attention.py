@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
@@ -34,8 +35,34 @@ from kvstore.errors import ConfigError
 PADDED_IMPLEMENTATIONS = {"eager": "kvstore_eager", "sdpa": "kvstore_sdpa"}
 
 
-def _padded(base: Callable[..., Any], boolean_mask: bool) -> Callable[..., Any]:
-    """``base`` attention with keys padded to ``kv_pad_to`` and an explicit causal mask."""
+#: The SDPA kernels a CUDA worker's padded calls may run, in this order of priority (named in
+#: the numerics tag): torch otherwise picks among flash, cuDNN, memory-efficient and math by
+#: its own preferences, which change with builds and settings. Memory-efficient attention
+#: takes the explicit mask every padded call has; math is the fallback for shapes it refuses.
+#: Which one runs then depends only on the call's shapes and dtype, so a cached and an
+#: uncached run of the same rows take the same kernel.
+PINNED_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _pinned(base: Callable[..., Any]) -> Callable[..., Any]:
+    """``base`` (sdpa) run with ``PINNED_SDPA_BACKENDS`` on CUDA, as is elsewhere."""
+
+    def attention(module: torch.nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if query.device.type != "cuda":
+            return base(module, query, *args, **kwargs)  # type: ignore[no-any-return]
+        with sdpa_kernel(PINNED_SDPA_BACKENDS, set_priority=True):
+            return base(module, query, *args, **kwargs)  # type: ignore[no-any-return]
+
+    return attention
+
+
+def _padded(base: Callable[..., Any], boolean_mask: bool,
+            pin: Callable[[Callable[..., Any]], Callable[..., Any]] = lambda f: f
+            ) -> Callable[..., Any]:
+    """``base`` attention with keys padded to ``kv_pad_to`` and an explicit causal mask
+    (run as ``pin(base)``); calls without ``kv_pad_to`` (decode steps) run ``base`` as is."""
+    pinned = pin(base)
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                   value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
@@ -58,8 +85,8 @@ def _padded(base: Callable[..., Any], boolean_mask: bool) -> Callable[..., Any]:
         else:
             mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
             mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]
-        return base(module, query, key, value, mask, scaling=scaling, dropout=dropout,
-                    **kwargs)
+        return pinned(module, query, key, value, mask, scaling=scaling, dropout=dropout,
+                      **kwargs)
 
     return attention
 
@@ -73,7 +100,7 @@ def padded_implementation(name: str) -> str:
 
 
 AttentionInterface.register("kvstore_eager", _padded(eager_attention_forward, False))
-AttentionInterface.register("kvstore_sdpa", _padded(sdpa_attention_forward, True))
+AttentionInterface.register("kvstore_sdpa", _padded(sdpa_attention_forward, True, _pinned))
 # The masks transformers builds before the layers: the originals (used when nothing is padded).
 AttentionMaskInterface.register("kvstore_eager", eager_mask)
 AttentionMaskInterface.register("kvstore_sdpa", sdpa_mask)

@@ -10,8 +10,9 @@ queued behind the request (or, with ``worker.publish_backlog_blocks: 0``, put he
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,12 +25,18 @@ from workers.publish import BackgroundPublisher, PublishBatch
 
 @dataclass(slots=True)
 class Fetch:
-    """The leading run of blocks fetched from the store, and where each came from."""
+    """The leading run of blocks fetched from the store, and where each came from.
+
+    ``confirm`` is set when the payloads were handed over before their verification ended
+    (``kvstore.early_fetch``): it waits for the verdicts and returns how many of the leading
+    payloads are good; nothing computed from the others may leave the engine.
+    """
 
     payloads: list[torch.Tensor] = field(default_factory=list)
     nodes: list[str] = field(default_factory=list)
     bytes_fetched: int = 0
     misses: list[str] = field(default_factory=list)
+    confirm: Callable[[], int] | None = None
 
     def keep(self, num_blocks: int) -> None:
         """Use only the first ``num_blocks`` (the rest cannot be resumed from)."""
@@ -56,8 +63,14 @@ class BlockIO:
         # Publishing runs behind the request (workers.publish) unless the backlog is 0.
         self.publisher = BackgroundPublisher(
             store, max_backlog_blocks=config.publish_backlog_blocks,
+            max_backlog_bytes=config.publish_backlog_bytes,
             when_full=config.publish_when_full) \
             if store is not None and config.publish_backlog_blocks > 0 else None
+        # Same-node reads into a GPU DMA from the page-locked arena: start the registration
+        # now, in the background, rather than inside the first request's lease.
+        prepare = getattr(store, "prepare_device_reads", None)
+        if prepare is not None and device.type == "cuda":
+            prepare(device)
 
     def block_tokens(self, tokens: list[int], i: int) -> list[int]:
         return tokens[i * self.block_size:(i + 1) * self.block_size]
@@ -77,14 +90,22 @@ class BlockIO:
         return hit
 
     def fetch(self, namespace: Namespace, tokens: list[int], keys: Sequence[bytes],
-              num_blocks: int) -> Fetch:
-        """Fetch the first ``num_blocks`` blocks; keep the leading run of good ones."""
+              num_blocks: int, *, early: bool = False) -> Fetch:
+        """Fetch the first ``num_blocks`` blocks; keep the leading run of good ones.
+
+        ``early``: where the store can (a same-node read into a GPU), hand the payloads over
+        as soon as their copies are queued, before verification ends; the caller must then
+        call ``Fetch.confirm`` before anything computed from them leaves it."""
         fetch = Fetch()
         if num_blocks == 0 or self.store is None:
             return fetch
         # Blocks this engine computed and has not finished publishing: already on the device.
         pending = self.publisher.pending(namespace, list(keys[:num_blocks])) \
             if self.publisher is not None else {}
+        early_get = getattr(self.store, "batch_get_early", None)
+        if early and not pending and early_get is not None and \
+                self.device.type in ("cpu", "cuda"):
+            return self._fetch_early(early_get, namespace, tokens, keys, num_blocks)
         wanted = [i for i in range(num_blocks) if i not in pending]
         fetched: dict[int, FetchedBlock | Miss] = {}
         if wanted:
@@ -113,6 +134,46 @@ class BlockIO:
             fetch.payloads.append(r.payload.to(self.device, non_blocking=True))
             fetch.nodes.append(r.node_id)
             fetch.bytes_fetched += r.payload.numel() * r.payload.element_size()
+        return fetch
+
+    def _fetch_early(self, early_get: Callable[..., Any], namespace: Namespace,
+                     tokens: list[int], keys: Sequence[bytes], num_blocks: int) -> Fetch:
+        """``fetch`` through the store's early path (``kvstore.early_fetch``)."""
+        fetch = Fetch()
+        assert self.store is not None
+        try:
+            handle = early_get(namespace, list(keys[:num_blocks]),
+                               [self.block_tokens(tokens, i) for i in range(num_blocks)],
+                               device=self.device)
+        except KVStoreError as exc:
+            fetch.misses.append(f"{MISS_NODE_UNAVAILABLE}: {exc}")
+            return fetch
+        payloads, verified = handle.leading()
+        fetch.payloads = payloads
+        fetch.nodes = [self.store.node_id] * len(payloads)
+
+        def confirm() -> int:
+            try:
+                results = handle.result()
+            except KVStoreError as exc:  # the store is a cache: losing it means recomputing
+                fetch.misses.append(f"{MISS_NODE_UNAVAILABLE}: {exc}")
+                return 0
+            good = 0
+            for r in results:
+                if not isinstance(r, FetchedBlock):
+                    fetch.misses.append(r.reason)
+                    break
+                if good == len(fetch.payloads):
+                    break
+                fetch.nodes[good] = r.node_id
+                fetch.bytes_fetched += r.payload.numel() * r.payload.element_size()
+                good += 1
+            return good
+
+        if verified:
+            confirm()
+        else:
+            fetch.confirm = confirm
         return fetch
 
     def wait_visible(self, namespace: Namespace, keys: Sequence[bytes], deadline: float
@@ -149,8 +210,10 @@ class BlockIO:
                                                   strict=True))])
             return len(blocks)
         if blocks.device.type == "cuda":
+            # After the copy that made ``blocks``: on *their* device's stream, not the current
+            # device's (another GPU's stream would let the publisher read half-written bytes).
             batch.ready = torch.cuda.Event()
-            batch.ready.record()
+            batch.ready.record(torch.cuda.current_stream(blocks.device))
         return self.publisher.submit(batch)
 
     def wait_published(self, request_id: str | None = None, timeout: float | None = None

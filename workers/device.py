@@ -4,16 +4,20 @@ A worker's settings say ``auto`` by default and are resolved here, once, at mode
 
 - ``worker.device: auto`` is the first CUDA device when torch sees one, else ``cpu``; any other
   torch device string (``cuda:1``, ``npu:0`` where torch_npu is installed) is taken as given.
+  In a Ray replica that asked for GPUs (``workers.placement``) Ray has set
+  ``CUDA_VISIBLE_DEVICES`` to the GPUs it assigned, so ``cuda:0`` here is the replica's own
+  GPU, not the host's first: nothing in this module needs to know about Ray.
 - ``worker.dtype: auto`` is ``bfloat16`` on an accelerator and ``float32`` on the CPU (where
   bf16 matmuls are slow and float32 is what the CPU tests pin).
 - ``worker.attn_implementation: auto`` is ``sdpa`` on an accelerator (fused kernels) and
   ``eager`` on the CPU (two plain matmuls: the same arithmetic on every CPU).
 
 The numerics tag names the arithmetic a block's KV was computed with: device kind and
-capability, torch version and attention implementation. It is part of the namespace by default,
-so a block is only ever served to a worker that would have computed exactly its bytes; that is
-what keeps a cache hit bitwise equal to a recomputation across a mixed fleet (measured: an H100
-and an H200 with one torch build give identical KV, and they share one tag, ``cuda sm_90``).
+capability and SM count, torch version, the GPU math libraries and precision switches, and the
+attention kernel. It is part of the namespace by default, so a block is only ever served to a
+worker that would have computed exactly its bytes; that is what keeps a cache hit bitwise
+equal to a recomputation across a mixed fleet (an H100 SXM and an H200 with one software stack
+share one tag, and compute identical KV).
 ``worker.numerics: portable`` drops the tag on purpose: blocks are then shared across hardware,
 torch builds and attention implementations, and outputs are numerically close, not bitwise.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.metadata
 import re
 from dataclasses import dataclass
 
@@ -97,33 +102,79 @@ def resolve_worker(device: str = "auto", dtype: str = "auto",
 
 
 def device_kind(device: torch.device) -> str:
-    """The arithmetic-relevant name of a device: ``cuda sm_90``, ``cpu AVX512``, ``npu``.
+    """The arithmetic-relevant name of a device: ``cuda sm_90 x132``, ``cpu AVX512``, ``npu``.
 
-    A GPU is named by its compute capability, not its marketing name: kernels are chosen per
-    architecture, so two boards of one architecture (H100, H200) compute alike. A CPU is named
-    by the vector ISA torch dispatches its kernels for.
+    A GPU is named by its compute capability and SM count, not its marketing name: kernels
+    are chosen per architecture, and cuBLAS's heuristics (tile sizes, split-K) by the SM count
+    too. So an H100 SXM and an H200 (sm_90, 132 SMs: measured bitwise equal) share a kind,
+    while an H100 PCIe (114 SMs) or a MIG slice does not. A CPU is named by the vector ISA
+    torch dispatches its kernels for.
     """
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
         hip = getattr(torch.version, "hip", None)
-        return f"rocm gfx {major}{minor}" if hip else f"cuda sm_{major}{minor}"
+        return f"rocm gfx {major}{minor} x{sms}" if hip else f"cuda sm_{major}{minor} x{sms}"
     if device.type == "cpu":
         capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()
         return f"cpu {capability}".strip()
     return device.type
 
 
+def math_libraries(device: torch.device) -> str:
+    """What else decides a GPU's arithmetic: the cuBLAS and cuDNN builds and the matmul
+    precision switches (reduced-precision reductions, TF32), e.g.
+    ``cublas 13.1.0.3 cudnn 91900 rr bf16,fp16``; empty on the CPU."""
+    if device.type != "cuda":
+        return ""
+    parts = []
+    blas = _package_version("nvidia-cublas", "nvidia-cublas-cu13", "nvidia-cublas-cu12")
+    if blas:
+        parts.append(f"cublas {blas}")
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if cudnn:
+        parts.append(f"cudnn {cudnn}")
+    matmul = torch.backends.cuda.matmul
+    reduced = [name for name, on in (
+        ("bf16", matmul.allow_bf16_reduced_precision_reduction),
+        ("fp16", matmul.allow_fp16_reduced_precision_reduction)) if on]
+    parts.append(f"rr {','.join(reduced) or 'off'}")
+    if matmul.allow_tf32 or torch.backends.cudnn.allow_tf32:
+        parts.append("tf32")
+    return " ".join(parts)
+
+
+def _package_version(*names: str) -> str:
+    for name in names:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(name)
+    return ""
+
+
+def attention_numerics(device: torch.device, attn_implementation: str) -> str:
+    """The attention part of the tag: on CUDA, sdpa's padded calls run pinned to
+    memory-efficient attention, math where it refuses a shape
+    (``workers.attention.PINNED_SDPA_BACKENDS``), which is named."""
+    if attn_implementation == "sdpa" and device.type == "cuda":
+        return "sdpa efficient,math"
+    return attn_implementation
+
+
 def numerics_tag(device: torch.device, attn_implementation: str, setting: str = "auto") -> str:
     """The namespace's numerics tag for ``worker.numerics`` (``auto``, ``portable`` or a tag).
 
-    ``auto``: ``"<device kind>|torch <version>|<attention>"``, e.g.
-    ``cuda sm_90|torch 2.13.0+cu130|sdpa``; ``portable``: ``""`` (shared across hardware).
+    ``auto``: ``"<device kind>|torch <version>[ <math libraries>]|<attention>"``, e.g.
+    ``cuda sm_90 x132|torch 2.11.0+cu130 cublas 13.1.0.3 cudnn 91900 rr bf16,fp16|sdpa
+    efficient,math``: everything that changes the bytes a forward computes, so only workers that
+    compute bitwise alike share a namespace; ``portable``: ``""`` (shared across hardware).
     """
     if setting == NUMERICS_PORTABLE:
         return ""
     if setting != NUMERICS_AUTO:
         return setting
-    return f"{device_kind(device)}|torch {torch.__version__}|{attn_implementation}"
+    libraries = math_libraries(device)
+    software = f"torch {torch.__version__}" + (f" {libraries}" if libraries else "")
+    return f"{device_kind(device)}|{software}|{attention_numerics(device, attn_implementation)}"
 
 
 def describe_numerics(tag: str) -> str:

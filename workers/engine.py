@@ -35,7 +35,7 @@ from kvstore.api import KVStore, TokenIds
 from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError, KVStoreError, RequestCancelled
 from kvstore.keys import BlockHasher
-from workers.block_io import BlockIO
+from workers.block_io import BlockIO, Fetch
 from workers.model import CausalLM
 from workers.paged_kv import gather_blocks, scatter_blocks
 from workers.publish import BackgroundPublisher
@@ -242,6 +242,7 @@ class Engine:
 
         ``start`` comes from ``resume_point``. Each piece (the rest of a chunk) attends over keys
         padded to its chunk's end and runs with the policy's piece size, dummy rows filling it.
+        Only the last chunk's logits come to the host: chunks queue on the device back to back.
         """
         logits = None
         pos, n = start, len(tokens)
@@ -252,11 +253,12 @@ class Engine:
             with self._forward_lock:
                 if self.policy.pad_keys or end == chunk_end:
                     logits = self.model.forward(tokens[pos:end], cache, pad_keys_to=chunk_end,
-                                                pad_rows_to=self.policy.piece_size(end - pos))
+                                                pad_rows_to=self.policy.piece_size(end - pos),
+                                                to_host=False)
                 else:  # the chunk-only policy's partial last chunk, as is (never published)
-                    logits = self.model.forward(tokens[pos:end], cache)
+                    logits = self.model.forward(tokens[pos:end], cache, to_host=False)
             pos = end
-        return logits
+        return None if logits is None else logits.to("cpu")
 
     def _continue(self, cache: DynamicCache, first_token: int, sampling: SamplingParams,
                   request_id: str, deadline: float, return_logits: bool,
@@ -283,6 +285,19 @@ class Engine:
 
     # -- prefill ----------------------------------------------------------------------------
 
+    def _compute(self, fetch: Fetch, tokens: list[int], request_id: str, deadline: float
+                 ) -> tuple[int, DynamicCache, torch.Tensor]:
+        """The prompt's KV from the fetched blocks on, and its last logits (on the host: the
+        device work is done when this returns)."""
+        resume = len(fetch.payloads) * self.block_size
+        cache = self.model.cache_from_kv(*scatter_blocks(fetch.payloads)) if fetch.payloads \
+            else self.model.new_cache()
+        with self._lock:
+            self._active[request_id] = cache
+        logits = self._run_chunks(tokens, resume, cache, request_id, deadline)
+        assert logits is not None
+        return resume, cache, logits
+
     def _prefill(self, token_ids: TokenIds, sampling: SamplingParams, request_id: str,
                  use_cache: bool, deadline: float, cache_salt: str | None = None
                  ) -> tuple[PrefillResult, DynamicCache]:
@@ -295,18 +310,19 @@ class Engine:
         use_store = use_cache and self.store is not None
         hit = self.io.lookup(namespace, keys) if use_store else 0
         # The last token always runs (its logits give the first token), so never resume at n.
-        fetch = self.io.fetch(namespace, tokens, keys, min(hit, (n - 1) // bs))
+        # Blocks may arrive before their verdicts (a same-node GPU read): compute at once,
+        # and keep the result only if every block used was good.
+        fetch = self.io.fetch(namespace, tokens, keys, min(hit, (n - 1) // bs), early=True)
         fetch.keep(self.resume_point(len(fetch.payloads) * bs, n) // bs)
         t_fetch = time.perf_counter()
-        resume = len(fetch.payloads) * bs
-        if fetch.payloads:
-            cache = self.model.cache_from_kv(*scatter_blocks(fetch.payloads))
-        else:
-            cache = self.model.new_cache()
-        with self._lock:
-            self._active[request_id] = cache
-        logits = self._run_chunks(tokens, resume, cache, request_id, deadline)
-        assert logits is not None
+        resume, cache, logits = self._compute(fetch, tokens, request_id, deadline)
+        t_verify = time.perf_counter()
+        if fetch.confirm is not None:
+            good = fetch.confirm()
+            if good < len(fetch.payloads):  # a block used was rejected: redo without it
+                fetch.keep(self.resume_point(good * bs, n) // bs)
+                resume, cache, logits = self._compute(fetch, tokens, request_id, deadline)
+        t_verify = time.perf_counter() - t_verify
         first = pick_token(logits, sampling, 0)
         ttft = time.perf_counter() - t0
         published_end = self.publish_end(n)
@@ -337,7 +353,7 @@ class Engine:
             block_keys=list(keys[:published_end // bs]), num_published_blocks=num_new,
             sources=fetch.sources, bytes_fetched=fetch.bytes_fetched, ttft_s=ttft,
             timings={"fetch_s": t_fetch - t0, "compute_s": ttft - (t_fetch - t0),
-                     "publish_s": t_end - t0 - ttft},
+                     "verify_wait_s": t_verify, "publish_s": t_end - t0 - ttft},
             misses=fetch.misses, tail=tail, logits=logits,
             unreused_shared_tokens=max(0, hit * bs - resume), num_prefix_blocks=prefix_blocks)
         metrics.record_prefill_tokens(resume, result.unreused_shared_tokens, n - resume)

@@ -164,8 +164,11 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], cache: DynamicCache, *,
-                pad_keys_to: int | None = None, pad_rows_to: int | None = None) -> torch.Tensor:
-        """Run ``token_ids`` on top of ``cache`` (which grows by them); the last one's logits.
+                pad_keys_to: int | None = None, pad_rows_to: int | None = None,
+                to_host: bool = True) -> torch.Tensor:
+        """Run ``token_ids`` on top of ``cache`` (which grows by them); the last one's logits
+        (float32; on the host, or on the device with ``to_host=False``: no sync, so a prefill
+        queues its next chunk while this one still runs).
 
         ``pad_keys_to``: every row attends over keys padded to this length (the chunk's end).
         ``pad_rows_to``: dummy tokens are appended up to this many rows, run, and dropped from
@@ -186,8 +189,9 @@ class CausalLM:
                          use_cache=True, logits_to_keep=keep, **extra)
         if len(ids) > num_real:
             cache.crop(num_real - len(ids))
+        logits = out.logits[0, -1].float()
         # Tokens are picked on the host: one small copy per step, the step's only sync.
-        return out.logits[0, -1].float().to("cpu")
+        return logits.to("cpu") if to_host else logits
 
     @staticmethod
     def cache_kv(cache: DynamicCache, layer: int, start: int, end: int

@@ -1,13 +1,13 @@
 """Publishing a prefill's blocks off the request's critical path.
 
-Measured on an H100 before this existed: publishing a 4k-token prompt's blocks (device to
-pageable host memory, encode, put) took 0.71 s on the request's own thread, three times its
-prefill. Now the request only makes a block-major copy of the new KV on the device (HBM speed)
-and records a stream event after it; a background thread waits for that event on a side stream,
+Publishing a prompt's blocks (device to host, encode, put) takes longer than computing them,
+so the request only makes a block-major copy of the new KV on the device (HBM speed) and
+records a stream event after it; a background thread waits for that event on a side stream,
 copies the blocks into reused pinned host memory (DMA), encodes them and puts them. So:
 
 - TTFT never includes the publish, and the next request never waits for it (while the backlog
-  has room; ``worker.publish_backlog_blocks`` bounds it, and ``worker.publish_when_full`` says
+  has room; ``worker.publish_backlog_blocks`` and ``worker.publish_backlog_bytes`` (device
+  memory the queued copies hold) bound it, and ``worker.publish_when_full`` says
   whether a request then waits for room or drops its blocks, counted in metrics either way);
 - a block is put only after its bytes are final (the event), so no reader sees a half-copied
   block, and the store's own put path verifies what it stores as before;
@@ -63,9 +63,13 @@ class BackgroundPublisher:
     """A bounded queue of publish batches and the one thread that drains it into a store."""
 
     def __init__(self, store: KVStore, *, max_backlog_blocks: int,
-                 when_full: PublishWhenFull = "wait") -> None:
+                 max_backlog_bytes: int | None = None, when_full: PublishWhenFull = "wait"
+                 ) -> None:
         self.store = store
         self.max_backlog_blocks = max_backlog_blocks
+        #: The backlog holds device memory (an 8B model's block is 2 MiB): bounded in bytes too.
+        self.max_backlog_bytes = max_backlog_bytes
+        self._backlog_bytes = 0
         self.when_full = when_full
         self._cond = threading.Condition()
         self._queue: deque[PublishBatch] = deque()
@@ -86,12 +90,13 @@ class BackgroundPublisher:
         n = len(batch.keys)
         if n == 0:
             return 0
+        nbytes = batch.blocks.numel() * batch.blocks.element_size()
         waited = 0.0
         with self._cond:
             if self._closed:
                 raise KVStoreError("the publisher is closed")
             # A batch larger than the whole backlog still goes in once the backlog is empty.
-            while self._backlog and self._backlog + n > self.max_backlog_blocks:
+            while self._backlog and self._full(n, nbytes):
                 if self.when_full == "drop":
                     metrics.record_publish("dropped", n)
                     log.warning("publish backlog full (%d blocks): dropped %d blocks of %s",
@@ -102,6 +107,7 @@ class BackgroundPublisher:
                 waited += time.perf_counter() - t0
             self._queue.append(batch)
             self._backlog += n
+            self._backlog_bytes += nbytes
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True,
                                                 name="kvstore-publisher")
@@ -115,6 +121,12 @@ class BackgroundPublisher:
         if waited:
             metrics.PUBLISH_WAIT.inc(waited)
         return n
+
+    def _full(self, num_blocks: int, nbytes: int) -> bool:
+        """Whether ``num_blocks`` more blocks (``nbytes``) would overfill the backlog."""
+        return self._backlog + num_blocks > self.max_backlog_blocks or (
+            self.max_backlog_bytes is not None
+            and self._backlog_bytes + nbytes > self.max_backlog_bytes)
 
     def pending(self, namespace: Namespace, keys: list[bytes]) -> dict[int, torch.Tensor]:
         """The payloads (on the engine's device) of those ``keys`` still queued, by index."""
@@ -187,6 +199,7 @@ class BackgroundPublisher:
             with self._cond:
                 self._queue.popleft()
                 self._backlog -= len(batch.keys)
+                self._backlog_bytes -= batch.blocks.numel() * batch.blocks.element_size()
                 root = batch.namespace.root
                 for key in batch.keys:
                     if self._pending.get((root, key), (None,))[0] is batch:
@@ -214,7 +227,10 @@ class BackgroundPublisher:
             return blocks
         if blocks.device.type != "cuda":  # another accelerator: its own synchronous copy
             return blocks.to("cpu")
-        if self._stream is None:
+        # This thread's current device is the blocks' own: the stream, the pinned staging and
+        # the event wait never create a context on (or order against) another GPU.
+        torch.cuda.set_device(blocks.device)
+        if self._stream is None or self._stream.device != blocks.device:
             self._stream = torch.cuda.Stream(device=blocks.device)
         nbytes = blocks.numel() * blocks.element_size()
         if self._staging is None or self._staging.numel() < nbytes:

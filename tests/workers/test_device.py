@@ -12,6 +12,7 @@ import torch
 from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError
 from kvstore.local import LocalStore
+from workers import device
 from workers.device import describe_numerics, numerics_tag, resolve_device, resolve_worker
 from workers.engine import Engine
 from workers.fingerprint import ROW, _weights, tensor_checksum, weights_digest
@@ -123,3 +124,40 @@ def test_an_eager_writers_blocks_reach_an_sdpa_reader_only_when_portable(numeric
         assert pre.cached_tokens == 96
     writer.close()
     reader.close()
+
+
+class _Props:
+    def __init__(self, sms: int) -> None:
+        self.multi_processor_count = sms
+
+
+def test_a_gpus_tag_tells_apart_sm_counts_math_libraries_switches_and_the_kernel(
+        monkeypatch) -> None:
+    """What changes a GPU's arithmetic is in its tag: boards of one architecture with other SM
+    counts (an H100 PCIe vs SXM, a MIG slice), cuBLAS/cuDNN builds, reduced-precision
+    reductions and TF32, and the pinned SDPA kernel; boards alike share a tag."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    sms = {"n": 132}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: _Props(sms["n"]))
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    monkeypatch.setattr(device, "_package_version", lambda *names: "13.1.0.3")
+    matmul = torch.backends.cuda.matmul
+    monkeypatch.setattr(matmul, "allow_bf16_reduced_precision_reduction", True)
+    monkeypatch.setattr(matmul, "allow_fp16_reduced_precision_reduction", True)
+    monkeypatch.setattr(matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    h200 = numerics_tag(cuda, "sdpa")
+    kind, software, attn = h200.split("|")
+    assert kind == "cuda sm_90 x132" and attn == "sdpa efficient,math"
+    assert software == f"torch {torch.__version__} cublas 13.1.0.3 cudnn 91900 rr bf16,fp16"
+    assert numerics_tag(cuda, "sdpa") == h200  # the same board and stack: one namespace
+    assert numerics_tag(cuda, "eager").endswith("|eager")
+    sms["n"] = 114  # an H100 PCIe
+    assert numerics_tag(cuda, "sdpa") != h200
+    sms["n"] = 132
+    monkeypatch.setattr(matmul, "allow_bf16_reduced_precision_reduction", False)
+    assert "rr fp16" in numerics_tag(cuda, "sdpa")
+    monkeypatch.setattr(matmul, "allow_tf32", True)
+    assert numerics_tag(cuda, "sdpa").split("|")[1].endswith(" tf32")

@@ -344,3 +344,49 @@ def test_a_failed_background_publish_is_counted_and_recomputed(model):
     assert engine.publisher is not None and engine.publisher.backlog_blocks == 0
     again = engine.prefill(prompt, sampling=SAMPLING)
     assert again.cached_tokens == 0 and again.first_token == pre.first_token
+
+
+class EarlyLiar(LocalStore):
+    """Hands every block over early, block ``bad`` with wrong bytes, and only the verdicts
+    say it was corrupted: what a same-node GPU read does when verification rejects a block
+    the model already computed on."""
+
+    def __init__(self, bad: int) -> None:
+        super().__init__()
+        self.bad = bad
+        self.early_calls = 0
+
+    def batch_get_early(self, namespace, keys, token_ids, *, device):
+        self.early_calls += 1
+        got = self.batch_get(namespace, keys, token_ids, device=device)
+        store = self
+
+        class Handle:
+            def leading(self):
+                payloads = [g.payload.clone() for g in got]
+                payloads[store.bad].fill_(7.0)
+                return payloads, False
+
+            def result(self):
+                return [Miss(k, "corrupted") if i == store.bad else g
+                        for i, (k, g) in enumerate(zip(keys, got, strict=True))]
+
+        return Handle()
+
+
+@pytest.mark.parametrize("bad", [0, 2, 5])
+def test_a_block_rejected_after_the_model_used_it_is_recomputed(model, bad):
+    """The prefill computes on blocks offered early; when the verdicts reject one it used,
+    that work is thrown away and the prompt recomputed from the last good block: the first
+    token's logits equal the uncached run's, bitwise."""
+    store = EarlyLiar(bad)
+    prompt = make_prompt(110, seed=4)
+    writer = Engine(model, store, make_config())
+    writer.prefill(prompt)
+    writer.wait_published()
+    engine = Engine(model, store, make_config())
+    pre = engine.prefill(prompt, sampling=SAMPLING, return_logits=True)
+    assert store.early_calls == 1
+    assert pre.cached_tokens == bad * BS and "corrupted" in pre.misses
+    ref_logits, _, _ = reference(model, prompt)
+    assert torch.equal(pre.logits, ref_logits)

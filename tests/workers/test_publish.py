@@ -91,6 +91,23 @@ def test_a_full_backlog_makes_the_next_submit_wait_for_room() -> None:
     pub.close()
 
 
+def test_the_backlog_is_bounded_in_bytes_of_device_memory_too() -> None:
+    """Blocks queue as copies on the device: past ``max_backlog_bytes`` a submit drops (or
+    waits) although the block count has room; the bytes are given back as batches are put."""
+    store = GatedStore()
+    one = batch("x", 0, 1).blocks.numel() * 4  # bytes of one block
+    pub = BackgroundPublisher(store, max_backlog_blocks=100, max_backlog_bytes=4 * one,
+                              when_full="drop")
+    assert pub.submit(batch("a", 10, 3)) == 3
+    assert pub.submit(batch("b", 20, 2)) == 0  # 5 blocks' bytes > 4: dropped
+    assert pub.submit(batch("c", 30, 1)) == 1  # exactly 4: room
+    store.gate.set()
+    assert pub.flush(30)
+    assert pub.submit(batch("d", 40, 4)) == 4  # the bytes came back with the puts
+    assert pub.flush(30) and len(store.blocks) == 8
+    pub.close()
+
+
 def test_a_batch_larger_than_the_backlog_still_goes_in_alone() -> None:
     store = LocalStore()
     pub = BackgroundPublisher(store, max_backlog_blocks=2)
