@@ -49,6 +49,8 @@ _PROBED: dict[tuple[object, ...], tuple[int, ...]] = {}
 #: Decoder layers the probe runs: every layer has the same shapes, so the same kernels; two
 #: make one layer's whole output (attention and MLP) visible in the next one's K/V.
 PROBE_LAYERS = 2
+#: The longest prompt the probe tries its sizes at the end of, on an accelerator.
+LONG_PROBE_TOKENS = 16384
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,22 +135,35 @@ def probe_piece_sizes(model: CausalLM, block_size: int, chunk_tokens: int) -> tu
     passes when every piece gives the whole chunk's KV for its rows (and its last logits where
     it ends there). The whole chunk always passes. It runs the model's first ``PROBE_LAYERS``
     decoder layers (shared weights), which keeps the probe of ``small`` to seconds.
+
+    On an accelerator the sizes that pass are tried again at the end of a long prompt
+    (``long_probe_tokens``): GPU libraries may pick kernels, or split the reduction, by the
+    key length too, so a size exact over one chunk of keys must also be exact over many.
     """
+    long_keys = long_probe_tokens(model, chunk_tokens)
     key = (model.fingerprint, _device(model), model.dtype, model.attn_implementation,
-           block_size, chunk_tokens, torch.get_num_threads())
+           block_size, chunk_tokens, torch.get_num_threads(), long_keys)
     if key not in _PROBED:
-        _PROBED[key] = _probe(model, block_size, chunk_tokens)
+        _PROBED[key] = _probe(model, block_size, chunk_tokens, long_keys)
     return _PROBED[key]
 
 
-def _probe(model: CausalLM, block_size: int, chunk_tokens: int) -> tuple[int, ...]:
+def long_probe_tokens(model: CausalLM, chunk_tokens: int) -> int:
+    """How long a prompt the probe tries its sizes at the end of: the model's longest, up to
+    ``LONG_PROBE_TOKENS``, in whole chunks, on an accelerator; 0 on the CPU (measured row
+    invariant at every key length its tests use, and a long probe there costs seconds)."""
+    if next(model.model.parameters()).device.type == "cpu":
+        return 0
+    longest = min(int(getattr(model.config, "max_position_embeddings", 0) or 0),
+                  LONG_PROBE_TOKENS)
+    return longest // chunk_tokens * chunk_tokens if longest > chunk_tokens else 0
+
+
+def _probe(model: CausalLM, block_size: int, chunk_tokens: int, long_keys: int = 0
+           ) -> tuple[int, ...]:
     model = _first_layers(model, PROBE_LAYERS)
-    generator = torch.Generator().manual_seed(20261122)
-    tokens = torch.randint(0, model.shape.vocab_size, (chunk_tokens,),
-                           generator=generator).tolist()
-    whole = model.new_cache()
-    whole_logits = model.forward(tokens, whole, pad_keys_to=chunk_tokens)
-    whole_kv = model.export_kv(whole, 0, chunk_tokens)
+    tokens = _probe_tokens(model, chunk_tokens)
+    whole_kv, whole_logits = _whole_run(model, tokens, chunk_tokens)
     passing = []
     for size in candidate_sizes(block_size, chunk_tokens)[:-1]:
         last = (chunk_tokens - size) // block_size * block_size  # the latest aligned start
@@ -156,21 +171,47 @@ def _probe(model: CausalLM, block_size: int, chunk_tokens: int) -> tuple[int, ..
         # their last logits are checked too.
         offsets = sorted({0, last, last // 2 // block_size * block_size}) \
             if size <= 4 * block_size else [last]
-        if all(_piece_matches(model, tokens, whole_kv, whole_logits, start, size)
+        if all(_piece_matches(model, tokens, whole_kv, whole_logits, start, size, chunk_tokens)
                for start in offsets):
             passing.append(size)
+    if long_keys > chunk_tokens and passing:
+        tokens = _probe_tokens(model, long_keys)
+        whole_kv, whole_logits = _whole_run(model, tokens, chunk_tokens)
+        base = long_keys - chunk_tokens  # the last chunk's start
+        passing = [size for size in passing if _piece_matches(
+            model, tokens, whole_kv, whole_logits,
+            base + (chunk_tokens - size) // block_size * block_size, size, long_keys)]
     return (*passing, chunk_tokens)
 
 
+def _probe_tokens(model: CausalLM, num_tokens: int) -> list[int]:
+    generator = torch.Generator().manual_seed(20261122)
+    return torch.randint(0, model.shape.vocab_size, (num_tokens,),
+                         generator=generator).tolist()
+
+
+def _whole_run(model: CausalLM, tokens: list[int], chunk_tokens: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tokens`` run as the engine runs a cold prompt (whole chunks, keys padded to each
+    chunk's end): their KV and the last logits."""
+    cache = model.new_cache()
+    logits = None
+    for start in range(0, len(tokens), chunk_tokens):
+        logits = model.forward(tokens[start:start + chunk_tokens], cache,
+                               pad_keys_to=start + chunk_tokens)
+    assert logits is not None
+    return model.export_kv(cache, 0, len(tokens)), logits
+
+
 def _piece_matches(model: CausalLM, tokens: list[int], whole_kv: torch.Tensor,
-                   whole_logits: torch.Tensor, start: int, size: int) -> bool:
-    """Rows ``[start, start + size)`` computed as one piece equal the whole chunk's."""
-    chunk_tokens = len(tokens)
+                   whole_logits: torch.Tensor, start: int, size: int, chunk_end: int) -> bool:
+    """Rows ``[start, start + size)`` computed as one piece (keys padded to ``chunk_end``, the
+    end of their chunk) equal the whole run's."""
     cache = _prefix_cache(model, whole_kv, start)
-    logits = model.forward(tokens[start:start + size], cache, pad_keys_to=chunk_tokens)
+    logits = model.forward(tokens[start:start + size], cache, pad_keys_to=chunk_end)
     same = torch.equal(model.export_kv(cache, start, start + size),
                        whole_kv[:, :, start:start + size])
-    if start + size == chunk_tokens:
+    if start + size == len(tokens):
         same = same and torch.equal(logits, whole_logits)
     return same
 

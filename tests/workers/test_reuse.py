@@ -24,6 +24,37 @@ from workers.sampling import SamplingParams
 SAMPLING = SamplingParams(max_new_tokens=4)
 
 
+def perturbed_deep(model, below_rows: int, past: int):
+    """``model`` off in the last bits for pieces of fewer than ``below_rows`` rows that run on
+    top of at least ``past`` cached tokens: a backend whose kernels change with the key
+    length as well as the row count (what cuBLAS's split-K heuristics may do on a GPU)."""
+    state = {"past": 0}
+
+    def before(module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        state["past"] = cache.get_seq_length() if cache is not None else 0
+
+    def hook(module, inputs, output):
+        deep = state["past"] >= past and output.shape[-2] < below_rows
+        return output + 1e-3 if deep else output
+
+    model.model.register_forward_pre_hook(before, with_kwargs=True)
+    model.model.model.layers[0].self_attn.k_proj.register_forward_hook(hook)
+    return model
+
+
+def test_sizes_exact_over_one_chunk_of_keys_are_tried_again_over_a_long_prompt():
+    """A size that passes over one chunk of keys but not at the end of a long prompt is
+    dropped (on an accelerator the probe tries both; ``long_keys`` forces it here)."""
+    clean = reuse._probe(load_model("tiny", seed=3), 16, 64)  # this CPU's sizes
+    assert {16, 32, 48, 64} <= set(clean)
+    assert reuse._probe(load_model("tiny", seed=3), 16, 64, long_keys=256) == clean
+    model = perturbed_deep(load_model("tiny", seed=3), below_rows=48, past=128)
+    assert reuse._probe(model, 16, 64) == clean  # one chunk of keys: the change is unseen
+    assert reuse._probe(model, 16, 64, long_keys=256) == (48, 64)
+    assert reuse.long_probe_tokens(model, 64) == 0  # on the CPU: one chunk of keys only
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return load_model("tiny", seed=0)
