@@ -47,7 +47,8 @@ def start_node_process(capacity: int, node_id: str = "bench", max_workers: int =
     """A store node of ``capacity`` bytes in another process; close its stdin to stop it."""
     proc = subprocess.Popen([sys.executable, "-c", NODE_SERVER, str(capacity), node_id,
                              str(max_workers)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
     assert proc.stdout is not None
     grpc_port, bulk_port, shm_path = proc.stdout.readline().split()
     return proc, NodeAddress(node_id, f"127.0.0.1:{grpc_port}", f"127.0.0.1:{bulk_port}",

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Every GPU check in one go, on a machine with a CUDA device (about 4-6 minutes on an H100/H200):
+# Every GPU check in one go, on a machine with a CUDA device (about 2 minutes on an H200):
 # the facts the GPU path relies on (tools/gpu_diagnose.py), bench_gpu at 4k and 16k tokens with
 # the operator ratios, then every test marked gpu. Each step writes its log and JSON to $OUT
 # (default /tmp/kvstore-gpu); a step that fails or runs past its limit does not stop the next.
+# DIAGNOSE_S, BENCH_S, PYTEST_S set each step's limit in seconds (0 skips it).
 #
 #   bash tools/gpu_check.sh            # from the repository root
 #
 # The GPU machine has torch, transformers, grpcio, protobuf, msgpack, xxhash, rich, pyyaml and
 # prometheus-client but no Ray and no Redis, which none of these steps import. Where its grpcio
-# or protobuf is older than the generated code needs, wheels in .whl/ (not committed; see
-# docs/gpu.md) are installed into /tmp/site first.
+# is older than the generated code needs, or cryptography is missing, wheels put in .whl/ (not
+# committed; the README's "Running on a GPU" says which) are installed into /tmp/site first.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvstore-gpu}
@@ -17,7 +18,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 COLUMNS=160 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 
-if ! "$PY" -c "import protos.kvstore_pb2, protos.kvstore_pb2_grpc" 2>/dev/null; then
+if ! "$PY" -c "import protos.kvstore_pb2, protos.kvstore_pb2_grpc, cryptography" 2>/dev/null; then
   if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"
@@ -35,6 +36,7 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, 'grp
 step() {  # step NAME LIMIT_S COMMAND...: run it, keep its output in $OUT/NAME.log
   local name=$1 limit=$2 start rc
   shift 2
+  if [ "$limit" = 0 ]; then echo "=== $name: skipped (limit 0)"; return; fi
   echo "=== $name (at most ${limit}s)"
   start=$(date +%s)
   timeout -k 10 "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
