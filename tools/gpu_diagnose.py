@@ -7,6 +7,7 @@ Prints (and writes as flat JSON with ``--json``) the facts the GPU path depends 
   read-only flag, and the device attribute that says it may), and what that costs per GiB;
 - copy rates host -> device from that mapping, from pinned and from pageable memory, and the
   cost of issuing one small copy per block;
+- the time of one padded attention call per SDPA kernel, and of the order a worker pins;
 - row-count invariance on a Llama-3-8B-shaped layer pair (bf16): whether pieces of 16..256 rows
   reproduce their whole 512-row chunk bitwise, at one chunk of keys and at 16k keys, per SDPA
   backend and eager (the exact-reuse probe's assumption, ``workers.reuse``).
@@ -181,6 +182,41 @@ def row_invariance() -> dict[str, Any]:
     return out
 
 
+def attention_speed() -> dict[str, Any]:
+    """ms per padded-attention call (bf16, 32 heads of 128, an explicit causal mask, as the
+    engine's padded calls) for each SDPA kernel and for the order the worker pins."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    from workers.attention import sdpa_backends
+
+    out: dict[str, Any] = {"pinned_order": ",".join(
+        b.name.lower() for b in sdpa_backends(torch.device("cuda", 0)))}
+    for rows, keys in ((512, 16384), (304, 16384), (512, 4096)):
+        q = torch.randn(1, 32, rows, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, 32, keys, 128, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        mask = (torch.arange(keys, device="cuda")[None] <=
+                torch.arange(keys - rows, keys, device="cuda")[:, None])[None, None]
+        for name, backends in (("cudnn", [SDPBackend.CUDNN_ATTENTION]),
+                               ("efficient", [SDPBackend.EFFICIENT_ATTENTION]),
+                               ("math", [SDPBackend.MATH]),
+                               ("pinned", sdpa_backends(torch.device("cuda", 0)))):
+            label = f"attn_ms_{name}_{rows}x{keys}"
+            try:
+                with sdpa_kernel(backends, set_priority=True):
+                    sdpa(q, k, v, attn_mask=mask)
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(20):
+                        sdpa(q, k, v, attn_mask=mask)
+                    torch.cuda.synchronize()
+                out[label] = round((time.perf_counter() - t0) / 20 * 1e3, 3)
+            except Exception as exc:  # noqa: BLE001 - a kernel this GPU or shape lacks
+                out[label] = f"error: {type(exc).__name__}: {str(exc)[:80]}"
+    return out
+
+
 class _null:
     def __enter__(self) -> None:
         return None
@@ -197,7 +233,7 @@ def main() -> None:
         print("gpu_diagnose: skipped: no CUDA device")
         return
     facts: dict[str, Any] = {}
-    for step in (device_facts, register_and_copy, row_invariance):
+    for step in (device_facts, register_and_copy, attention_speed, row_invariance):
         t0 = time.perf_counter()
         try:
             facts |= step()

@@ -152,11 +152,16 @@ def _package_version(*names: str) -> str:
 
 
 def attention_numerics(device: torch.device, attn_implementation: str) -> str:
-    """The attention part of the tag: on CUDA, sdpa's padded calls run pinned to
-    memory-efficient attention, math where it refuses a shape
-    (``workers.attention.PINNED_SDPA_BACKENDS``), which is named."""
+    """The attention part of the tag: on CUDA, sdpa's padded calls run pinned to an order of
+    kernels (``workers.attention.sdpa_backends``), which is named, e.g.
+    ``sdpa cudnn,efficient,math``."""
     if attn_implementation == "sdpa" and device.type == "cuda":
-        return "sdpa efficient,math"
+        from workers.attention import sdpa_backends
+
+        names = {"CUDNN_ATTENTION": "cudnn", "EFFICIENT_ATTENTION": "efficient",
+                 "FLASH_ATTENTION": "flash", "MATH": "math"}
+        return "sdpa " + ",".join(names.get(b.name, b.name.lower())
+                                  for b in sdpa_backends(device))
     return attn_implementation
 
 
@@ -165,8 +170,9 @@ def numerics_tag(device: torch.device, attn_implementation: str, setting: str = 
 
     ``auto``: ``"<device kind>|torch <version>[ <math libraries>]|<attention>"``, e.g.
     ``cuda sm_90 x132|torch 2.11.0+cu130 cublas 13.1.0.3 cudnn 91900 rr bf16,fp16|sdpa
-    efficient,math``: everything that changes the bytes a forward computes, so only workers that
-    compute bitwise alike share a namespace; ``portable``: ``""`` (shared across hardware).
+    cudnn,efficient,math``: everything that changes the bytes a forward computes, so only
+    workers that compute bitwise alike share a namespace; ``portable``: ``""`` (shared across
+    hardware).
     """
     if setting == NUMERICS_PORTABLE:
         return ""

@@ -206,17 +206,23 @@ def test_runs_join_blocks_adjacent_in_the_arena_and_in_the_rows() -> None:
     assert device_reads._runs(odd, [0, 1, 2, 3, 4], 100, 128) == [(0, 1), (2, 1), (4, 1)]
 
 
+def leased_blocks(pool: BlockPool, num: int, seed: int, bad: int):
+    """``num`` LARGE blocks stored in ``pool`` (block ``bad`` corrupted in the arena) and a
+    lease on all of them: keys, tokens, blocks, the lease and its locations by key."""
+    keys, tokens, blocks = make_blocks(LARGE, num, seed=seed)
+    for key, block in zip(keys, blocks, strict=True):
+        pool.put(key, block)
+    corrupt_in_arena(pool, keys[bad])
+    lease = pool.lease(keys, 30)
+    return keys, tokens, blocks, lease, {loc.key: loc for loc in lease.locations}
+
+
 def test_the_dma_path_copies_each_run_of_adjacent_blocks_once(arena, monkeypatch) -> None:
     """The CUDA direct path's copy plan, on the CPU: blocks stored back to back move as one
     copy per run, the copies land before the verdicts are returned, and a rejected block's
     row is zeroed after its run was copied."""
     pool, reader = arena
-    keys, tokens, blocks = make_blocks(LARGE, 6, seed=9)
-    for key, block in zip(keys, blocks, strict=True):
-        pool.put(key, block)
-    corrupt_in_arena(pool, keys[2])
-    lease = pool.lease(keys, 30)
-    where = {loc.key: loc for loc in lease.locations}
+    keys, tokens, blocks, lease, where = leased_blocks(pool, 6, seed=9, bad=2)
     offsets = sorted(loc.offset for loc in lease.locations)
     assert offsets == [offsets[0] + i * offsets[1] - i * offsets[0] for i in range(6)], \
         "a fresh pool stores blocks back to back"
@@ -281,12 +287,7 @@ def test_shm_reader_tensor_is_a_bounded_view(arena) -> None:
 @pytest.mark.parametrize("way", ["direct", "staged"])
 def test_cuda_shm_into_device_rows(arena, monkeypatch, way: str) -> None:
     pool, reader = arena
-    keys, tokens, blocks = make_blocks(LARGE, 3, seed=6)
-    for key, block in zip(keys, blocks, strict=True):
-        pool.put(key, block)
-    corrupt_in_arena(pool, keys[1])
-    lease = pool.lease(keys, 30)
-    where = {loc.key: loc for loc in lease.locations}
+    keys, tokens, blocks, lease, where = leased_blocks(pool, 3, seed=6, bad=1)
     if way == "staged":
         monkeypatch.setattr(device_reads, "reads_directly", lambda sink, reader: False)
     sink = block_rows(torch.device("cuda", torch.cuda.current_device()), 3, LARGE)

@@ -12,7 +12,7 @@ import torch
 from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError
 from kvstore.local import LocalStore
-from workers import device
+from workers import attention, device
 from workers.device import describe_numerics, numerics_tag, resolve_device, resolve_worker
 from workers.engine import Engine
 from workers.fingerprint import ROW, _weights, tensor_checksum, weights_digest
@@ -148,9 +148,10 @@ def test_a_gpus_tag_tells_apart_sm_counts_math_libraries_switches_and_the_kernel
     monkeypatch.setattr(matmul, "allow_fp16_reduced_precision_reduction", True)
     monkeypatch.setattr(matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    attention._preferred_backends.cache_clear()
     h200 = numerics_tag(cuda, "sdpa")
     kind, software, attn = h200.split("|")
-    assert kind == "cuda sm_90 x132" and attn == "sdpa efficient,math"
+    assert kind == "cuda sm_90 x132" and attn == "sdpa cudnn,efficient,math"
     assert software == f"torch {torch.__version__} cublas 13.1.0.3 cudnn 91900 rr bf16,fp16"
     assert numerics_tag(cuda, "sdpa") == h200  # the same board and stack: one namespace
     assert numerics_tag(cuda, "eager").endswith("|eager")
@@ -161,3 +162,8 @@ def test_a_gpus_tag_tells_apart_sm_counts_math_libraries_switches_and_the_kernel
     assert "rr fp16" in numerics_tag(cuda, "sdpa")
     monkeypatch.setattr(matmul, "allow_tf32", True)
     assert numerics_tag(cuda, "sdpa").split("|")[1].endswith(" tf32")
+    # cuDNN attention leads only where torch itself prefers it (cuDNN newer than 9.15).
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91500)
+    attention._preferred_backends.cache_clear()
+    assert numerics_tag(cuda, "sdpa").endswith("|sdpa efficient,math")
+    attention._preferred_backends.cache_clear()
