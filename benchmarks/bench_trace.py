@@ -57,7 +57,8 @@ from benchmarks.common import parse_args, report
 from benchmarks.trace_sim import TraceExpander, load_trace, simulate_belady, simulate_lru
 from kvstore.api import BlockPut, FetchedBlock, Miss, PoolStats
 from kvstore.block import block_nbytes
-from kvstore.config import KVStoreConfig, load_config
+from kvstore.config import KVStoreConfig
+from kvstore.config_loader import load_config
 from kvstore.constants import align_up
 from kvstore.errors import KVStoreError
 from kvstore.gc_tuning import freeze_startup_objects

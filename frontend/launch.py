@@ -22,7 +22,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvstore.config import KVStoreConfig, ServeConfig, load_config
+from kvstore.config import KVStoreConfig, ServeConfig
+from kvstore.config_loader import load_config
 from kvstore.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ _EXPORTS = {
     "Namespace": "kvstore.keys",
     "BlockHasher": "kvstore.keys",
     "KVStoreConfig": "kvstore.config",
-    "load_config": "kvstore.config",
+    "load_config": "kvstore.config_loader",
 }
 
 __all__ = ["BlockHasher", "ClusterStore", "KVStore", "KVStoreConfig", "LocalStore", "Namespace",
@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from kvstore.api import KVStore
     from kvstore.cluster.lifecycle import connect, start, stop
     from kvstore.cluster_store import ClusterStore
-    from kvstore.config import KVStoreConfig, load_config
+    from kvstore.config import KVStoreConfig
+    from kvstore.config_loader import load_config
     from kvstore.keys import BlockHasher, Namespace
     from kvstore.local import LocalStore
 

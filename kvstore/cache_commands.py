@@ -14,7 +14,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.config import KVStoreConfig, load_config
+from kvstore.config import KVStoreConfig
+from kvstore.config_loader import load_config
 from kvstore.constants import KEY_NBYTES
 from kvstore.errors import ClusterUnavailable, ConfigError, KVStoreError
 

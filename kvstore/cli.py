@@ -28,7 +28,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstore import cache_commands, credential_commands, status_command
-from kvstore.config import KVStoreConfig, load_config
+from kvstore.config import KVStoreConfig
+from kvstore.config_loader import load_config
 from kvstore.errors import (
     ClusterConflict,
     ConfigError,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.cli import main, warn_argv_password
-from kvstore.config import load_config
+from kvstore.config_loader import load_config
 from kvstore.credential_commands import parse_ttl
 from kvstore.errors import ConfigError, IndexAuthError, Unauthenticated
 from kvstore.security.data_keys import tenant_key

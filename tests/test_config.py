@@ -13,9 +13,9 @@ from kvstore.config import (
     KVStoreConfig,
     PoolConfig,
     WorkerConfig,
-    load_config,
     parse_size,
 )
+from kvstore.config_loader import load_config
 from kvstore.errors import ConfigError
 
 

@@ -20,7 +20,8 @@ PACKAGES = ("kvstore", "workers", "frontend")
 #: Rank of each layer, lowest first: a module may import its own layer or lower ones.
 #: Within one layer, only modules of the same package (or the ground) import each other.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("ground", ("kvstore.errors", "kvstore.constants", "kvstore.config", "kvstore.keys",
+    ("ground", ("kvstore.errors", "kvstore.constants", "kvstore.config", "kvstore.config_loader",
+                "kvstore.keys",
                 "kvstore.block", "kvstore.block_batch", "kvstore.ops", "kvstore.ops_index",
                 "kvstore.api",
                 "kvstore.metrics", "kvstore.reader_metrics", "kvstore.gc_tuning",

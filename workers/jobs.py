@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from kvstore.config import KVStoreConfig, load_config
+from kvstore.config import KVStoreConfig
+from kvstore.config_loader import load_config
 from kvstore.errors import ConfigError
 from workers.job_args import register  # noqa: F401  (the parser: torch-free)
 from workers.model import generation_stop_ids

@@ -23,7 +23,8 @@ import torch
 from kvstore.api import FetchedBlock
 from kvstore.cluster import credentials, lifecycle, operations, rotation
 from kvstore.cluster.names import coordinator_handle
-from kvstore.config import ClientConfig, KVStoreConfig, load_config
+from kvstore.config import ClientConfig, KVStoreConfig
+from kvstore.config_loader import load_config
 from kvstore.errors import KVStoreError, Unauthenticated
 from kvstore.keys import Namespace
 from kvstore.node.client import StoreNodeClient

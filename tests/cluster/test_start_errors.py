@@ -17,7 +17,8 @@ from kvstore.cli import error_line, exit_code
 from kvstore.cluster import lifecycle
 from kvstore.cluster.names import RAY_NAMESPACE
 from kvstore.cluster.remote_errors import unwrap
-from kvstore.config import KVStoreConfig, load_config
+from kvstore.config import KVStoreConfig
+from kvstore.config_loader import load_config
 from kvstore.errors import (
     ClusterConflict,
     ClusterUnavailable,

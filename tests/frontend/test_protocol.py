@@ -9,7 +9,7 @@ import pytest
 
 from frontend.detokenize import TextStream
 from frontend.protocol import APIError, ModelCard, parse_request
-from kvstore.config import load_config
+from kvstore.config_loader import load_config
 from workers.tokenizer import ByteTokenizer
 
 CARD = ModelCard("tiny", 4096, 512, 0)

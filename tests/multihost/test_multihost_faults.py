@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import load_config
+from kvstore.config_loader import load_config
 from tests.multihost.harness import (
     RayCluster,
     generate_argv,

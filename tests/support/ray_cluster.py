@@ -19,7 +19,8 @@ from kvstore.api import BlockPut, FetchedBlock
 from kvstore.block import block_nbytes
 from kvstore.cluster import lifecycle
 from kvstore.cluster.names import RAY_NAMESPACE, store_actor_name
-from kvstore.config import KVStoreConfig, load_config
+from kvstore.config import KVStoreConfig
+from kvstore.config_loader import load_config
 from kvstore.keys import BlockHasher, Namespace
 
 NS = Namespace("test-cluster-model", "float32", 16, 2, 2, 64)

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvstore.cli import main
-from kvstore.config import load_config
+from kvstore.config_loader import load_config
 from kvstore.errors import ConfigError
 from tests.support.checkpoint import build_checkpoint
 from tests.support.cli_jobs import run, write_prompts

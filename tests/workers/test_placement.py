@@ -15,7 +15,8 @@ from collections.abc import Iterator
 import pytest
 import ray
 
-from kvstore.config import KVStoreConfig, WorkerConfig, load_config
+from kvstore.config import KVStoreConfig, WorkerConfig
+from kvstore.config_loader import load_config
 from kvstore.errors import ClusterUnavailable, ConfigError
 from tests.support.ray_cluster import wait_for
 from tests.support.ray_head import connected_ray_head
