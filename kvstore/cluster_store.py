@@ -134,8 +134,8 @@ class ClusterStore:
             client = self._client(self.local_node_id)
         except KVStoreError:  # no store node on this host: every read is remote
             return path
-        return "direct" if client.prepare_device_reads(target, wait=wait) or not wait \
-            else "staged"
+        locked = client.prepare_device_reads(target, wait=wait)
+        return "staged" if wait and not locked else path
 
     def batch_get_into(self, namespace: Namespace, keys: Sequence[bytes],
                        token_ids: Sequence[TokenIds], out: torch.Tensor

@@ -29,11 +29,11 @@ from kvstore.api import (
 from kvstore.block import block_nbytes, payload_offset, payload_view
 from kvstore.cluster_store import ClusterStore
 from kvstore.config import ClientConfig, ServerConfig
+from kvstore.constants import align_up
 from kvstore.index.memory import InMemoryIndex
 from kvstore.keys import Namespace
 from kvstore.local import LocalStore
 from kvstore.node import device_reads
-from kvstore.node.device_copy import ROW_ALIGN
 from kvstore.node.pool import BlockPool
 from kvstore.node.server import StoreServer
 from kvstore.node.shm_reader import SMALL_BLOCK_BYTES
@@ -114,12 +114,12 @@ def check_device_batch(got: list[FetchedBlock | Miss], want: list[torch.Tensor |
                        ns: Namespace, device: torch.device) -> None:
     """Each result is the wanted payload (bitwise) or a miss with the wanted reason; fetched
     payloads are contiguous views into one buffer of rows on ``device`` (a whole block per
-    row, ``ROW_ALIGN``-aligned, the payload after its header), and the rows of misses are
+    row, ``ALIGN``-aligned, the payload after its header), and the rows of misses are
     zeros."""
     fetched = [g for g in got if isinstance(g, FetchedBlock)]
     assert fetched, "every batch here has good blocks"
     base = fetched[0].payload.untyped_storage()
-    row_nbytes = -(-block_nbytes(ns) // ROW_ALIGN) * ROW_ALIGN
+    row_nbytes = align_up(block_nbytes(ns))
     rows = torch.empty(0, dtype=torch.uint8, device=device).set_(base).view(-1, row_nbytes)
     assert rows.shape[0] == len(got)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):

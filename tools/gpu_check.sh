@@ -2,7 +2,8 @@
 # Every GPU check in one go, on a machine with a CUDA device (about 2 minutes on an H200):
 # the facts the GPU path relies on (tools/gpu_diagnose.py), bench_gpu at 4k and 16k tokens with
 # the operator ratios, then every test marked gpu. Each step writes its log and JSON to $OUT
-# (default /tmp/kvstore-gpu); a step that fails or runs past its limit does not stop the next.
+# (default /tmp/kvstore-gpu); a step that fails or runs past its limit does not stop the next,
+# and the script exits 1 naming the failed steps.
 # DIAGNOSE_S, BENCH_S, PYTEST_S set each step's limit in seconds (0 skips it).
 #
 #   bash tools/gpu_check.sh            # from the repository root
@@ -42,10 +43,17 @@ step() {  # step NAME LIMIT_S COMMAND...: run it, keep its output in $OUT/NAME.l
   timeout -k 10 "$limit" "$@" > >(tee "$OUT/$name.log") 2>&1
   rc=$?
   echo "=== $name: exit $rc after $(( $(date +%s) - start ))s"
+  [ "$rc" = 0 ] || failed+=("$name (exit $rc)")
 }
+failed=()
 
 step diagnose "${DIAGNOSE_S:-60}" "$PY" -m tools.gpu_diagnose --json "$OUT/diagnose.json"
 step bench_gpu "${BENCH_S:-200}" "$PY" -m benchmarks.bench_gpu --json "$OUT/bench_gpu.json"
 step pytest_gpu "${PYTEST_S:-120}" "$PY" -m pytest -p no:cacheprovider -q -m gpu -rfE \
   tests/test_ops_gpu.py tests/workers/test_engine_gpu.py tests/node/test_device_reads.py \
   tests/test_cluster_store_device.py tests/workers/test_engine_nodes.py
+if [ "${#failed[@]}" -gt 0 ]; then
+  echo "gpu_check: failed: ${failed[*]} (logs in $OUT)" >&2
+  exit 1
+fi
+echo "gpu_check: every step passed (logs and JSON in $OUT)"

@@ -46,9 +46,8 @@ def sdpa_backends(device: torch.device) -> list[SDPBackend]:
     cached and an uncached run of the same rows take the same kernel. Flash never takes the
     explicit mask a padded call has; cuDNN's attention goes first where torch puts it first
     (Hopper and later with cuDNN newer than 9.15, which fixed sequence lengths not a multiple
-    of 128; on H200s a cold 16k-token prefill of an 8B model took 1.1 s with it and 1.44 s
-    with memory-efficient attention pinned instead); math is the fallback for shapes the
-    others refuse.
+    of 128, and where it is the faster kernel for long keys); math is the fallback for shapes
+    the others refuse.
     """
     index = device.index if device.index is not None else torch.cuda.current_device()
     return list(_preferred_backends(index))

@@ -106,7 +106,7 @@ def device_kind(device: torch.device) -> str:
 
     A GPU is named by its compute capability and SM count, not its marketing name: kernels
     are chosen per architecture, and cuBLAS's heuristics (tile sizes, split-K) by the SM count
-    too. So an H100 SXM and an H200 (sm_90, 132 SMs: measured bitwise equal) share a kind,
+    too. So an H100 SXM and an H200 (sm_90, 132 SMs) share a kind,
     while an H100 PCIe (114 SMs) or a MIG slice does not. A CPU is named by the vector ISA
     torch dispatches its kernels for.
     """

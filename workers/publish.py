@@ -58,6 +58,11 @@ class PublishBatch:
     published: int = 0
     error: str | None = None
 
+    @property
+    def nbytes(self) -> int:
+        """Device memory the queued copy holds."""
+        return self.blocks.numel() * self.blocks.element_size()
+
 
 class BackgroundPublisher:
     """A bounded queue of publish batches and the one thread that drains it into a store."""
@@ -90,7 +95,7 @@ class BackgroundPublisher:
         n = len(batch.keys)
         if n == 0:
             return 0
-        nbytes = batch.blocks.numel() * batch.blocks.element_size()
+        nbytes = batch.nbytes
         waited = 0.0
         with self._cond:
             if self._closed:
@@ -199,7 +204,7 @@ class BackgroundPublisher:
             with self._cond:
                 self._queue.popleft()
                 self._backlog -= len(batch.keys)
-                self._backlog_bytes -= batch.blocks.numel() * batch.blocks.element_size()
+                self._backlog_bytes -= batch.nbytes
                 root = batch.namespace.root
                 for key in batch.keys:
                     if self._pending.get((root, key), (None,))[0] is batch:

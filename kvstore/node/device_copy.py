@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from kvstore.constants import align_up
 from kvstore.keys import Namespace
 
 log = logging.getLogger(__name__)
@@ -40,9 +41,6 @@ _REGISTER_FLAGS = 0x01 | 0x08
 #: CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED: whether the driver page-locks
 #: memory mapped read-only (the arena is mapped PROT_READ in readers).
 _READ_ONLY_REGISTER_ATTRIBUTE = 113
-#: Rows of whole blocks are this far apart: a store node's arena starts every extent on a
-#: 64-byte boundary, so blocks it stored back to back are this far apart there too.
-ROW_ALIGN = 64
 
 
 def target_device(device: torch.device | str | None) -> torch.device | None:
@@ -79,8 +77,9 @@ class DeviceRows:
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.row_nbytes = row_nbytes
-        self.row_stride = -(-row_nbytes // ROW_ALIGN) * ROW_ALIGN if payload_offset else \
-            row_nbytes
+        # A store node's arena starts every extent on an ALIGN boundary: blocks it stored
+        # back to back are this far apart there too.
+        self.row_stride = align_up(row_nbytes) if payload_offset else row_nbytes
         self.payload_offset = payload_offset
         #: Set by a caller that uses rows before they are verified (``EarlyRows``).
         self.early: EarlyRows | None = None
@@ -291,8 +290,9 @@ def register_host(ptr: int, nbytes: int, what: str, device: torch.device | None 
     """Page-lock ``[ptr, ptr + nbytes)`` (read-only, shared memory) so CUDA copies read it
     directly; False, logged, where the driver refuses (old CUDA, no read-only support,
     limits). Runs on a thread of its own whose current device is ``device`` (default: the
-    caller's), so it never creates a context on another GPU. It costs ~0.16 s per GiB
-    (measured on an H200): callers start it in the background, ahead of the reads."""
+    caller's), so it never creates a context on another GPU. It takes time in proportion to
+    ``nbytes`` (seconds for a large arena): callers start it in the background, ahead of the
+    reads."""
     nbytes = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE  # the mapping is whole pages
     index = None
     if device is not None and device.type == "cuda":

@@ -51,8 +51,8 @@ STAGING_BYTES = 256 << 20
 
 #: Threads that verify a read whose rows were offered early (``DeviceRows.early``): the
 #: model's forward then runs beside the verification and needs the GIL for its kernel
-#: launches, so a few threads (hashing ~27 GB/s together on an H200 host, still ahead of the
-#: forward) contend with it less than the whole pool would.
+#: launches, so a few threads (still hashing faster than the forward computes) contend with it
+#: less than the whole pool would.
 EARLY_VERIFY_THREADS = 4
 
 #: ``land(lo, hi, stage)``: put blocks ``lo..hi-1`` into ``stage`` rows, return their verdicts

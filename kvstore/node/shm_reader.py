@@ -115,9 +115,9 @@ class ShmReader:
         """Whether the whole mapping is page-locked (``cudaHostRegister``, read-only) so CUDA
         copies read blocks straight out of it; False if the driver refused (reads stage).
 
-        The first call starts the registration on a thread of its own (~0.16 s per GiB: far
-        too long to run inside a lease); ``wait=False`` answers at once (False until it is
-        done), so reads take the staged path meanwhile instead of waiting for it."""
+        The first call starts the registration on a thread of its own (seconds for a large
+        arena: far too long to run inside a lease); ``wait=False`` answers at once (False
+        until it is done), so reads take the staged path meanwhile instead of waiting."""
         with self._lock:
             if self._pin_thread is None and self._pinned is None:
                 self._pin_thread = threading.Thread(target=self._pin, args=(device,),
