@@ -10,10 +10,10 @@ prefill's own, locally computed KV.
 
 Throughput: 8 warm requests like those, generating twice as many tokens each (serving is
 decode-heavy), through Ray actor replicas, 1 prefill + 1 decode against 2 + 2
-(``workers.serving.Deployment.run``: several requests in flight per replica, so 1 + 1 already
-overlaps the prefill of one request with the decode of another), each replica on ``--threads``
-torch threads; ``ratio_throughput_2x2_vs_1x1`` is requests per second of 2 + 2 over 1 + 1.
-Each shape gets its own cache salt (so neither finds the other's blocks), a warm-up request per
+(``kvstore.workers.jobs.deployment.Deployment.run``: several requests in flight per replica, so 1 +
+1 already overlaps the prefill of one request with the decode of another), each replica on
+``--threads`` torch threads; ``ratio_throughput_2x2_vs_1x1`` is requests per second of 2 + 2 over 1
++ 1. Each shape gets its own cache salt (so neither finds the other's blocks), a warm-up request per
 replica and a cache warm-up of the system prompt before the timed run.
 """
 
@@ -28,13 +28,13 @@ import torch
 
 from benchmarks.common import parse_args, report
 from kvstore.api import KVStore
+from kvstore.client.local_store import LocalStore
 from kvstore.config import KVStoreConfig, WorkerConfig
-from kvstore.local import LocalStore
-from workers.engine import Engine
-from workers.model import load_model
-from workers.sampling import SamplingParams
-from workers.scheduler import RequestOutput
-from workers.serving import Deployment
+from kvstore.workers.engine.runner import Engine
+from kvstore.workers.jobs.deployment import Deployment
+from kvstore.workers.model.causal_lm import load_model
+from kvstore.workers.model.sampling import SamplingParams
+from kvstore.workers.replicas.request_pipeline import RequestOutput
 
 
 def make_tokens(n: int, seed: int, vocab: int) -> list[int]:

@@ -34,14 +34,14 @@ from benchmarks.common import parse_args, report
 from benchmarks.transfer_support import start_node_process
 from kvstore.api import FetchedBlock, Miss, NodeAddress, PrefixHit, TokenIds
 from kvstore.block import block_nbytes
-from kvstore.cluster_store import ClusterStore
+from kvstore.client.cluster_store import ClusterStore
 from kvstore.config import ClientConfig, WorkerConfig
 from kvstore.index.base import IndexEntry
 from kvstore.index.memory import InMemoryIndex
 from kvstore.keys import Namespace
-from workers.engine import Engine, PrefillResult
-from workers.model import CausalLM, load_model
-from workers.sampling import SamplingParams
+from kvstore.workers.engine.runner import Engine, PrefillResult
+from kvstore.workers.model.causal_lm import CausalLM, load_model
+from kvstore.workers.model.sampling import SamplingParams
 
 FIRST_TOKEN = SamplingParams(max_new_tokens=1)
 

@@ -30,7 +30,7 @@ if not __package__:  # run as `python benchmarks/bench_ops.py`: make the repo ro
 
 from benchmarks.common import parse_args, report  # noqa: E402
 from kvstore.keys import BlockHasher, Namespace  # noqa: E402
-from kvstore.ops import kv_cache_scatter, paged_cache_load  # noqa: E402
+from kvstore.ops.operators import kv_cache_scatter, paged_cache_load  # noqa: E402
 
 BLOCK_SIZE, NUM_HEADS, HEAD_SIZE = 16, 16, 128  # 64 KiB per block per cache in float16
 NUM_LOADED_BLOCKS = 1000
@@ -311,7 +311,7 @@ def main() -> None:
              f"index_copy_ {f['index_copy_gpu_ms']:.3f} ms "
              f"({f['ratio_kv_cache_scatter_vs_index_copy_gpu']:.2f}x; target >= 0.8)"),
         ]
-    report("kvstore.ops and keys", rows, figures, args.json)
+    report("kvstore.ops.operators and keys", rows, figures, args.json)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from kvstore.block import block_nbytes, verify_block
 from kvstore.block_batch import encode_blocks_into
 from kvstore.config import IndexConfig, KVStoreConfig, PoolConfig
 from kvstore.keys import BlockHasher, Namespace
-from kvstore.node.pool import BlockPool
+from kvstore.node.block_pool import BlockPool
 
 #: 64 tokens x 1 layer x (K, V) x 1 head x 8 dims x float16 = 2 KiB of payload per block.
 NS = Namespace("bench-put", "float16", 64, 1, 1, 8)

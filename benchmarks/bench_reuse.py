@@ -29,12 +29,12 @@ import time
 import torch
 
 from benchmarks.common import parse_args, report
+from kvstore.client.local_store import LocalStore
 from kvstore.config import WorkerConfig
-from kvstore.local import LocalStore
-from workers.engine import Engine
-from workers.model import load_model
-from workers.reuse import ReusePolicy
-from workers.sampling import SamplingParams
+from kvstore.workers.engine.reuse_policy import ReusePolicy
+from kvstore.workers.engine.runner import Engine
+from kvstore.workers.model.causal_lm import load_model
+from kvstore.workers.model.sampling import SamplingParams
 
 
 def naive_policy(chunk_tokens: int) -> ReusePolicy:

@@ -145,7 +145,7 @@ class Server:
         self.dir = tempfile.TemporaryDirectory(prefix="bench-serve-")
         self.ready = Path(self.dir.name) / "ready"
         self.log_path = Path(self.dir.name) / "server.log"
-        cmd = [sys.executable, "-m", "kvstore.cli", "serve", "--model", args.model,
+        cmd = [sys.executable, "-m", "kvstore.cli.main", "serve", "--model", args.model,
                "--port", str(_free_port()), "--ready-file", str(self.ready)]
         for flag in ("chunk_tokens", "block_size", "prefill_replicas", "decode_replicas",
                      "config"):

@@ -18,10 +18,10 @@ import torch
 
 from benchmarks.common import parse_args, report
 from kvstore.block import block_nbytes, encode_block, verify_block
+from kvstore.client.shm_reader import ShmReader, copy_verified_batch
+from kvstore.client.verify_pool import num_threads
 from kvstore.keys import BlockHasher, Namespace
-from kvstore.node.pool import BlockPool
-from kvstore.node.shm_reader import ShmReader, copy_verified_batch
-from kvstore.node.verify_pool import num_threads
+from kvstore.node.block_pool import BlockPool
 
 
 def make_namespace() -> Namespace:

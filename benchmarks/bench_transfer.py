@@ -43,12 +43,12 @@ from benchmarks.transfer_support import (
     start_node_process,
     store_fetch,
 )
-from kvstore.cluster_store import new_block_buffer
+from kvstore.client.cluster_store import new_block_buffer
+from kvstore.client.node_client import StoreNodeClient
 from kvstore.config import ClientConfig
 from kvstore.index.base import IndexEntry
 from kvstore.index.redis import RedisIndex
 from kvstore.keys import BlockHasher, Namespace
-from kvstore.node.client import StoreNodeClient
 from tests.support.redis_server import RedisProcess, start_redis_server
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -46,10 +46,10 @@ from benchmarks.transfer_support import (
     store_fetch,
 )
 from kvstore.api import NodeAddress
-from kvstore.cluster_store import ClusterStore, new_block_buffer
+from kvstore.client.cluster_store import ClusterStore, new_block_buffer
+from kvstore.client.node_client import StoreNodeClient
 from kvstore.config import ClientConfig
 from kvstore.keys import Namespace
-from kvstore.node.client import StoreNodeClient
 from kvstore.security.ca import issue_server_cert, new_ca
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,8 +59,8 @@ ARMS = ("plain", "keyed", "secure")
 SERVER = """
 import json, sys
 from kvstore.config import ServerConfig
-from kvstore.node.pool import BlockPool
-from kvstore.node.server import StoreServer
+from kvstore.node.block_pool import BlockPool
+from kvstore.node.store_server import StoreServer
 spec = json.loads(sys.stdin.readline())
 pool = BlockPool(spec["capacity"])
 cfg = ServerConfig(max_workers=4, auth_token=spec["token"], tls_cert_pem=spec["cert"],

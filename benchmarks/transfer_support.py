@@ -18,7 +18,7 @@ import torch
 
 from kvstore.api import FetchedBlock, Miss, NodeAddress
 from kvstore.block import block_nbytes, encode_block_into
-from kvstore.cluster_store import ClusterStore
+from kvstore.client.cluster_store import ClusterStore
 from kvstore.config import ClientConfig
 from kvstore.index.base import IndexEntry
 from kvstore.index.memory import InMemoryIndex
@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NODE_SERVER = """
 import sys
 from kvstore.config import ServerConfig
-from kvstore.node.pool import BlockPool
-from kvstore.node.server import StoreServer
+from kvstore.node.block_pool import BlockPool
+from kvstore.node.store_server import StoreServer
 pool = BlockPool(int(sys.argv[1]))
 srv = StoreServer(pool, sys.argv[2], ServerConfig(max_workers=int(sys.argv[3])))
 g, b = srv.start()

@@ -24,8 +24,8 @@ _EXPORTS = {
     "connect": "kvstore.cluster.lifecycle",
     "start": "kvstore.cluster.lifecycle",
     "stop": "kvstore.cluster.lifecycle",
-    "LocalStore": "kvstore.local",
-    "ClusterStore": "kvstore.cluster_store",
+    "LocalStore": "kvstore.client.local_store",
+    "ClusterStore": "kvstore.client.cluster_store",
     "KVStore": "kvstore.api",
     "Namespace": "kvstore.keys",
     "BlockHasher": "kvstore.keys",
@@ -38,12 +38,12 @@ __all__ = ["BlockHasher", "ClusterStore", "KVStore", "KVStoreConfig", "LocalStor
 
 if TYPE_CHECKING:
     from kvstore.api import KVStore
+    from kvstore.client.cluster_store import ClusterStore
+    from kvstore.client.local_store import LocalStore
     from kvstore.cluster.lifecycle import connect, start, stop
-    from kvstore.cluster_store import ClusterStore
     from kvstore.config import KVStoreConfig
     from kvstore.config_loader import load_config
     from kvstore.keys import BlockHasher, Namespace
-    from kvstore.local import LocalStore
 
 
 def __getattr__(name: str) -> Any:

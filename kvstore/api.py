@@ -1,8 +1,8 @@
 """What workers see of the store: a small facade and the plain data it exchanges.
 
 Workers depend on this protocol only, so the same engine runs on the embedded store
-(``kvstore.local.LocalStore``), on a cluster (``kvstore.node.client.ClusterStore``), or on nothing
-(``--no-cache``).
+(``kvstore.client.local_store.LocalStore``), on a cluster
+(``kvstore.client.cluster_store.ClusterStore``), or on nothing (``--no-cache``).
 """
 
 from __future__ import annotations

@@ -252,9 +252,9 @@ class SecurityConfig:
                    "(16 bytes); `kvstore start` generates one")
 
 
-#: How a worker reuses cached blocks (``workers.reuse``): ``exact`` (bitwise equal to
-#: ``--no-cache``, at block granularity where the probe allows), ``block`` (any block boundary,
-#: approximate where the probe fails), ``chunk`` (whole chunks only: the previous policy).
+#: How a worker reuses cached blocks (``kvstore.workers.engine.reuse_policy``): ``exact`` (bitwise
+#: equal to ``--no-cache``, at block granularity where the probe allows), ``block`` (any block
+#: boundary, approximate where the probe fails), ``chunk`` (whole chunks only: the previous policy).
 ReuseMode = Literal["exact", "block", "chunk"]
 PublishWhenFull = Literal["wait", "drop"]  # a full publish backlog: wait for room, or drop
 
@@ -262,13 +262,14 @@ PublishWhenFull = Literal["wait", "drop"]  # a full publish backlog: wait for ro
 @dataclass(slots=True)
 class WorkerConfig:
     """Model and engine settings of prefill/decode workers (docs/configuration.md). ``auto``
-    device, dtype and attention resolve where the model loads (``workers.device``)."""
+    device, dtype and attention resolve where the model loads (``kvstore.workers.model.device``)."""
 
     model: str = "tiny"
     seed: int = 0
     dtype: str = "auto"
     device: str = "auto"
-    # auto, or the GPUs each Ray replica asks for (workers.placement); loaded as text
+    # auto, or the GPUs each Ray replica asks for (kvstore.workers.replicas.placement); loaded
+    # as text
     gpus_per_replica: str | float = "auto"
     attn_implementation: str = "auto"
     numerics: str = "auto"  # auto (tagged), portable (no tag) or a tag given literally

@@ -2,7 +2,7 @@
 
 Every failure a caller can act on has its own class, so callers branch on types, never on
 integer codes or message text. gRPC status codes are mapped from these only at the server
-boundary (``kvstore.node.server``) and back into these in the client.
+boundary (``kvstore.node.store_server``) and back into these in the client.
 """
 
 from __future__ import annotations

@@ -51,8 +51,8 @@ class Namespace:
     cache_salt: str = ""
     schema_version: int = SCHEMA_VERSION
     #: The writer's arithmetic (device kind and capability, torch version, attention
-    #: implementation; ``workers.device.numerics_tag``): KV is bitwise reusable only by a
-    #: worker computing exactly as its writer did. ``""``: shared across hardware on purpose
+    #: implementation; ``kvstore.workers.model.device.numerics_tag``): KV is bitwise reusable only
+    #: by a worker computing exactly as its writer did. ``""``: shared across hardware on purpose
     #: (``worker.numerics: portable``), or a namespace made before the tag existed.
     numerics: str = ""
     # Secrets, never encoded, sent or shown (docs/security.md): at most one. ``data_key``, the

@@ -133,7 +133,7 @@ DEVICE_READS = Counter("kvstore_worker_device_reads",
                        "Same-node reads of large blocks into a CUDA device, by path: direct "
                        "(DMA from the page-locked arena) or staged (pinned staging copies)",
                        ["path"], registry=REGISTRY)
-#: How a same-node read reaches a CUDA device (``kvstore.node.device_reads``).
+#: How a same-node read reaches a CUDA device (``kvstore.client.device_reads``).
 DEVICE_READ_PATHS = ("direct", "staged")
 #: Outcomes of a background publish: put, dropped (backlog full, publish_when_full: drop),
 #: failed (the store refused or was unreachable).

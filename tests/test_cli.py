@@ -20,17 +20,17 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.cache_commands import namespace_root, parse_keys
-from kvstore.cli import build_parser
+from kvstore.cli.cache import namespace_root, parse_keys
+from kvstore.cli.main import build_parser
+from kvstore.cli.status import SHORT_ID, status_json
 from kvstore.cluster.head import pids_mentioning
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace, chain_keys
-from kvstore.status_command import SHORT_ID, status_json
 from tests.support.redis_server import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
-KVSTORE = [sys.executable, "-m", "kvstore.cli"]
+KVSTORE = [sys.executable, "-m", "kvstore.cli.main"]
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120
@@ -147,7 +147,7 @@ def test_drain_resolves_what_status_prints() -> None:
 def test_status_workers_table_fits_80_columns_and_wide_shows_all() -> None:
     from rich.console import Console
 
-    from kvstore.status_command import _print_workers
+    from kvstore.cli.status import _print_workers
 
     node_id = "f" * 56
     workers = [{"worker_id": f"prefill-{i}-{40000 + i}", "node_id": node_id, "model": "small",

@@ -1,6 +1,6 @@
 """``kvstore credentials ...``, the Redis password off argv, and the security line of status.
 
-In-process (``kvstore.cli.main``) against a secrets directory of the test's own. References:
+In-process (``kvstore.cli.main.main``) against a secrets directory of the test's own. References:
 the secrets files (a credential must verify under the stored token with the grants asked for,
 and under no other), H3's ``tenant_key`` for the tenant key, a real redis-server started with
 the include ``redis-conf`` wrote.
@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.cli import main, warn_argv_password
+from kvstore.cli.credentials import parse_ttl
+from kvstore.cli.main import main, warn_argv_password
+from kvstore.cli.status import security_line
 from kvstore.config_loader import load_config
-from kvstore.credential_commands import parse_ttl
 from kvstore.errors import ConfigError, IndexAuthError, Unauthenticated
 from kvstore.security.data_keys import tenant_key
 from kvstore.security.grants import Authenticator
 from kvstore.security.secrets_store import SecretsStore
-from kvstore.status_command import security_line
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

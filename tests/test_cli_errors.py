@@ -34,7 +34,7 @@ def operator_env(tmp_path: Path) -> dict[str, str]:
 
 def run_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = operator_env(tmp_path)
-    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvstore.cli.main", *args], capture_output=True,
                           text=True, env=env, timeout=120)
 
 
@@ -146,7 +146,7 @@ def test_address_must_be_host_port_or_keyword(tmp_path: Path) -> None:
 #: inside the coordinator actor, after `kvstore start` has started a Ray head of its own.
 _NO_PRECHECK = ("import sys; from kvstore.cluster import lifecycle; "
                 "lifecycle.check_index = lambda config: None; "
-                "from kvstore.cli import main; sys.exit(main(sys.argv[1:]))")
+                "from kvstore.cli.main import main; sys.exit(main(sys.argv[1:]))")
 
 
 @pytest.mark.timeout(300)

@@ -18,11 +18,11 @@ from kvstore.api import (
     NodeAddress,
 )
 from kvstore.block import block_nbytes, payload_view
-from kvstore.cluster_store import ClusterStore
+from kvstore.client.cluster_store import ClusterStore
 from kvstore.config import ClientConfig, ServerConfig
 from kvstore.index.memory import InMemoryIndex
-from kvstore.node.pool import BlockPool
-from kvstore.node.server import StoreServer
+from kvstore.node.block_pool import BlockPool
+from kvstore.node.store_server import StoreServer
 from tests.node.test_server import make_blocks, make_namespace
 from tests.support.arena import corrupt_in_arena
 

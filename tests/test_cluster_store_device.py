@@ -27,16 +27,16 @@ from kvstore.api import (
     NodeAddress,
 )
 from kvstore.block import block_nbytes, payload_offset, payload_view
-from kvstore.cluster_store import ClusterStore
+from kvstore.client import device_reads
+from kvstore.client.cluster_store import ClusterStore
+from kvstore.client.local_store import LocalStore
+from kvstore.client.shm_reader import SMALL_BLOCK_BYTES
 from kvstore.config import ClientConfig, ServerConfig
 from kvstore.constants import align_up
 from kvstore.index.memory import InMemoryIndex
 from kvstore.keys import Namespace
-from kvstore.local import LocalStore
-from kvstore.node import device_reads
-from kvstore.node.pool import BlockPool
-from kvstore.node.server import StoreServer
-from kvstore.node.shm_reader import SMALL_BLOCK_BYTES
+from kvstore.node.block_pool import BlockPool
+from kvstore.node.store_server import StoreServer
 from tests.node.test_server import make_blocks
 from tests.support.arena import corrupt_in_arena
 

@@ -11,7 +11,7 @@ import pytest
 from kvstore import metrics, reader_metrics
 from kvstore.api import MISS_MISMATCH, MISS_NOT_FOUND, FetchedBlock, Miss
 from kvstore.block import block_nbytes
-from kvstore.cluster_store import ClusterStore
+from kvstore.client.cluster_store import ClusterStore
 from tests.node.test_server import make_blocks, make_namespace
 from tests.test_cluster_store import FAST, cluster, make_puts  # noqa: F401 - fixture by name
 
@@ -94,8 +94,8 @@ def test_a_reader_whose_node_is_gone_keeps_its_tally(cluster) -> None:  # noqa: 
 
 
 def test_a_node_refuses_a_report_with_an_unknown_label(cluster) -> None:  # noqa: F811
+    from kvstore.client.node_client import StoreNodeClient
     from kvstore.errors import KVStoreError
-    from kvstore.node.client import StoreNodeClient
     from kvstore.reader_metrics import ReaderTally
 
     _, _, directory = cluster

@@ -10,12 +10,12 @@ import time
 import torch
 
 from kvstore.api import MISS_NOT_FOUND, FetchedBlock, Miss, NodeAddress
-from kvstore.cluster_store import ClusterStore
+from kvstore.client.cluster_store import ClusterStore
 from kvstore.config import ClientConfig, ServerConfig
 from kvstore.index.base import IndexEntry
 from kvstore.index.memory import InMemoryIndex
-from kvstore.node.pool import BlockPool
-from kvstore.node.server import StoreServer
+from kvstore.node.block_pool import BlockPool
+from kvstore.node.store_server import StoreServer
 from tests.node.test_server import make_namespace
 from tests.test_cluster_store import cluster, make_puts  # noqa: F401  - fixture by name
 

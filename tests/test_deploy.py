@@ -41,10 +41,10 @@ def kvstore_commands(text: str) -> list[list[str]]:
 
 
 def cli_parser():  # noqa: ANN201 - argparse.ArgumentParser, imported lazily
-    """The CLI's argparse parser, or skip while kvstore.cli has none."""
-    cli = pytest.importorskip("kvstore.cli")
+    """The CLI's argparse parser, or skip while kvstore.cli.main has none."""
+    cli = pytest.importorskip("kvstore.cli.main")
     if not hasattr(cli, "build_parser"):
-        pytest.skip("kvstore.cli.build_parser not there yet")
+        pytest.skip("kvstore.cli.main.build_parser not there yet")
     return cli.build_parser()
 
 

@@ -1,4 +1,4 @@
-"""Early fetches (``kvstore.early_fetch``): rows offered before their verdicts, the verdicts
+"""Early fetches (``kvstore.client.early_fetch``): rows offered before their verdicts, the verdicts
 after; a read that offers nothing early hands over only verified blocks; a failed read raises
 from ``result``. On the CPU with a scripted read (the CUDA offer is the direct path's, run by
 the ``gpu`` tests through ``ClusterStore``), and end to end on the CPU through a store node,
@@ -13,10 +13,10 @@ import torch
 
 from kvstore.api import MISS_CORRUPTED, FetchedBlock, Miss
 from kvstore.block import block_nbytes, payload_offset
-from kvstore.early_fetch import EarlyFetch
+from kvstore.client.device_copy import DeviceRows
+from kvstore.client.early_fetch import EarlyFetch
 from kvstore.errors import NodeUnavailable
 from kvstore.keys import Namespace
-from kvstore.node.device_copy import DeviceRows
 
 NS = Namespace("m", "float16", 4, 1, 1, 8)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from frontend import metrics as serve_metrics
 from kvstore import metrics
+from kvstore.frontend import metrics as serve_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.ops import kv_cache_scatter, nz_align, paged_cache_load
+from kvstore.ops.operators import kv_cache_scatter, nz_align, paged_cache_load
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int8]
 INDEX_DTYPES = [torch.int32, torch.int64]

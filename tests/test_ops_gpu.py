@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from kvstore.ops import kv_cache_scatter, nz_align, paged_cache_load
+from kvstore.ops.operators import kv_cache_scatter, nz_align, paged_cache_load
 from tests.test_ops import (
     DTYPES,
     _load_args,

@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from kvstore.ops import kv_cache_scatter, nz_align, paged_cache_load
+from kvstore.ops.operators import kv_cache_scatter, nz_align, paged_cache_load
 from tests.test_ops import (
     INDEX_DTYPES,
     _load_args,
@@ -29,7 +29,7 @@ from tests.test_ops import (
 @pytest.fixture
 def device_path(monkeypatch):
     """Route every call through the device-side index (check=False), even for CPU tensors."""
-    monkeypatch.setattr("kvstore.ops._on_host", lambda *args: False)
+    monkeypatch.setattr("kvstore.ops.operators._on_host", lambda *args: False)
 
 
 @pytest.mark.parametrize("check", [True, False])
@@ -53,7 +53,7 @@ def test_load_check_flag_and_paths_agree(check, index_dtypes, mode, kind, monkey
     out = (torch.empty_like(want_k), torch.empty_like(want_v)) if mode == "out" else None
     assert_load_equal(paged_cache_load(kc, vc, table, cl, out=out, check=check, **kw),
                       want_k, want_v, kc, vc, layout)
-    monkeypatch.setattr("kvstore.ops._on_host", lambda *args: False)
+    monkeypatch.setattr("kvstore.ops.operators._on_host", lambda *args: False)
     got = paged_cache_load(kc, vc, table, cl, out=out, check=check, **kw)
     assert_load_equal(got, want_k, want_v, kc, vc, layout)
 
@@ -75,7 +75,7 @@ def test_scatter_check_flag_and_paths_agree(check, index_dtype, kind, monkeypatc
     want = ref_scatter(past, new_kv, 1, token_offset, seq_len)
     for host in (True, False):
         if not host:
-            monkeypatch.setattr("kvstore.ops._on_host", lambda *args: False)
+            monkeypatch.setattr("kvstore.ops.operators._on_host", lambda *args: False)
         got = past.clone()
         kv_cache_scatter(got, new_kv, 1, token_offset, seq_len, check=check)
         assert torch.equal(got, want)
@@ -100,22 +100,22 @@ def test_host_metadata_is_checked_even_with_check_false():
 
 # ----------------------------------------------------------------------------- whole blocks
 # ND loads whose every length is a multiple of block_size, without starts, take a path of their
-# own (kvstore.ops_index.whole_blocks): the index is the used table entries, no per-token index.
+# own (kvstore.ops.row_index.whole_blocks): the index is the used table entries, no per-token index.
 
 
 @pytest.fixture
 def general_path_spy(monkeypatch):
     """Counts calls of the general host index builder, so a test sees which path ran."""
-    import kvstore.ops
+    import kvstore.ops.operators
 
     calls = []
-    real = kvstore.ops.host_load_rows
+    real = kvstore.ops.operators.host_load_rows
 
     def spy(*args, **kwargs):
         calls.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("kvstore.ops.host_load_rows", spy)
+    monkeypatch.setattr("kvstore.ops.operators.host_load_rows", spy)
     return calls
 
 

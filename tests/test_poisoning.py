@@ -33,11 +33,11 @@ from kvstore.block import (
     verify_block_self,
 )
 from kvstore.block_batch import encode_blocks_into, verify_blocks
+from kvstore.client.shm_reader import ShmReader, copy_then_verify
 from kvstore.constants import align_up
 from kvstore.errors import BlockCorrupted, BlockMismatch
 from kvstore.keys import BlockHasher, Namespace
-from kvstore.node.pool import BlockPool
-from kvstore.node.shm_reader import ShmReader, copy_then_verify
+from kvstore.node.block_pool import BlockPool
 from kvstore.security.data_keys import block_tag, tenant_key
 
 DATA_KEY = b"poisoning-tests-cluster-data-key"

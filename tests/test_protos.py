@@ -1,4 +1,4 @@
-"""The committed generated protobuf code matches protos/kvstore.proto (no drift)."""
+"""The committed generated protobuf code matches kvstore/protos/kvstore.proto (no drift)."""
 
 from __future__ import annotations
 
@@ -22,15 +22,15 @@ def _load_generator():
 @pytest.mark.parametrize("name", GENERATED)
 def test_generated_code_matches_proto(tmp_path: Path, name: str) -> None:
     _load_generator().generate(tmp_path)
-    fresh = (tmp_path / "protos" / name).read_text()
-    committed = (ROOT / "protos" / name).read_text()
+    fresh = (tmp_path / "kvstore" / "protos" / name).read_text()
+    committed = (ROOT / "kvstore" / "protos" / name).read_text()
     assert fresh == committed, (
-        f"protos/{name} is stale: run `python tools/gen_protos.py` and commit the result"
+        f"kvstore/protos/{name} is stale: run `python tools/gen_protos.py` and commit the result"
     )
 
 
 def test_generated_code_imports_package_qualified() -> None:
-    from protos import kvstore_pb2, kvstore_pb2_grpc
+    from kvstore.protos import kvstore_pb2, kvstore_pb2_grpc
 
     assert kvstore_pb2.DESCRIPTOR.package == "kvstore.v1"
     assert hasattr(kvstore_pb2_grpc, "StoreNodeServicer")

@@ -1,6 +1,8 @@
-"""Regenerate protos/kvstore_pb2*.py(i) from protos/kvstore.proto, run from anywhere.
+"""Regenerate kvstore/protos/kvstore_pb2*.py(i) from kvstore/protos/kvstore.proto, run from
+anywhere.
 
-Generated from the repository root so the code imports as ``from protos import kvstore_pb2``.
+Generated from the repository root so the code imports as
+``from kvstore.protos import kvstore_pb2``.
 ``tests/test_protos.py`` runs :func:`generate` into a temporary directory and fails on drift.
 """
 
@@ -12,12 +14,12 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
-PROTO = "protos/kvstore.proto"
+PROTO = "kvstore/protos/kvstore.proto"
 
 
 def generate(out_dir: Path, root: Path = ROOT) -> None:
-    """Write the generated modules under ``out_dir/protos/``."""
-    (out_dir / "protos").mkdir(parents=True, exist_ok=True)
+    """Write the generated modules under ``out_dir/kvstore/protos/``."""
+    (out_dir / "kvstore" / "protos").mkdir(parents=True, exist_ok=True)
     include = str(Path(protoc.__file__).parent / "_proto")
     args = ["protoc", f"-I{root}", f"-I{include}", f"--python_out={out_dir}",
             f"--grpc_python_out={out_dir}", f"--pyi_out={out_dir}", str(root / PROTO)]

@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 COLUMNS=160 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 
-if ! "$PY" -c "import protos.kvstore_pb2, protos.kvstore_pb2_grpc, cryptography" 2>/dev/null; then
+if ! "$PY" -c "import kvstore.protos.kvstore_pb2, kvstore.protos.kvstore_pb2_grpc, cryptography" 2>/dev/null; then
   if compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site:$PYTHONPATH"

@@ -10,7 +10,7 @@ Prints (and writes as flat JSON with ``--json``) the facts the GPU path depends 
 - the time of one padded attention call per SDPA kernel, and of the order a worker pins;
 - row-count invariance on a Llama-3-8B-shaped layer pair (bf16): whether pieces of 16..256 rows
   reproduce their whole 512-row chunk bitwise, at one chunk of keys and at 16k keys, per SDPA
-  backend and eager (the exact-reuse probe's assumption, ``workers.reuse``).
+  backend and eager (the exact-reuse probe's assumption, ``kvstore.workers.engine.reuse_policy``).
 
 Run it on a GPU machine: ``python -m tools.gpu_diagnose --json out.json``.
 """
@@ -131,8 +131,8 @@ def row_invariance() -> dict[str, Any]:
     """Pieces of the last chunk vs the whole chunk, at 512 and 16k keys, per attention kernel."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from workers.model import load_model
-    from workers.reuse import _first_layers, _prefix_cache
+    from kvstore.workers.engine.reuse_policy import _first_layers, _prefix_cache
+    from kvstore.workers.model.causal_lm import load_model
 
     out: dict[str, Any] = {}
     chunk = 512
@@ -188,7 +188,7 @@ def attention_speed() -> dict[str, Any]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    from workers.attention import sdpa_backends
+    from kvstore.workers.model.attention import sdpa_backends
 
     out: dict[str, Any] = {"pinned_order": ",".join(
         b.name.lower() for b in sdpa_backends(torch.device("cuda", 0)))}

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvstore.constants import align_up
 from kvstore.errors import PoolFull
-from kvstore.node.pool import BlockPool
+from kvstore.node.block_pool import BlockPool
 
 
 class EvictingPool:

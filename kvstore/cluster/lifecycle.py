@@ -398,7 +398,7 @@ def cluster_config(config: KVStoreConfig | None = None, *, address: str | None =
 
 def connect(config: KVStoreConfig | None = None, *, address: str | None = None) -> Any:
     """A ClusterStore for this process, discovered through the coordinator."""
-    from kvstore.cluster_store import ClusterStore
+    from kvstore.client.cluster_store import ClusterStore
     from kvstore.coordinator.index_proxy import CoordinatorIndex
     from kvstore.index.factory import make_index
 

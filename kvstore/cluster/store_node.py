@@ -29,6 +29,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from kvstore import metrics
 from kvstore.api import NodeAddress, PoolStats
 from kvstore.block import BlockHeader, verify_block_self
+from kvstore.client.node_client import StoreNodeClient
 from kvstore.cluster.evicting_pool import EvictingPool as EvictingPool
 from kvstore.cluster.names import arena_glob, arena_name, coordinator_handle
 from kvstore.config import ClientConfig, KVStoreConfig, ServerConfig
@@ -38,9 +39,8 @@ from kvstore.gc_tuning import freeze_startup_objects
 from kvstore.index.base import IndexEntry
 from kvstore.index.factory import make_index
 from kvstore.index.packed import PackedEntries
-from kvstore.node.client import StoreNodeClient
-from kvstore.node.pool import BlockPool
-from kvstore.node.server import StoreServer
+from kvstore.node.block_pool import BlockPool
+from kvstore.node.store_server import StoreServer
 from kvstore.node.wire import bind_node_ip
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from kvstore.coordinator.core import CoordinatorCore
 from kvstore.coordinator.index_service import IndexServer
 from kvstore.coordinator.liveness import NodeStatus, Reaper
 from kvstore.coordinator.messages import HeartbeatReply
-from kvstore.coordinator.workers import WorkerTable
+from kvstore.coordinator.worker_reports import WorkerTable
 from kvstore.gc_tuning import freeze_startup_objects
 from kvstore.index.base import IndexEntry
 from kvstore.node.wire import bind_node_ip

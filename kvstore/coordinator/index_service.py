@@ -36,8 +36,8 @@ from kvstore.index.base import IndexEntry
 from kvstore.index.packed import unpack_entries
 from kvstore.node.auth import AuthGate
 from kvstore.node.wire import AUTH_HEADER, error_from_rpc, open_channel, start_grpc_server
-from protos import kvstore_pb2 as pb
-from protos import kvstore_pb2_grpc as pb_grpc
+from kvstore.protos import kvstore_pb2 as pb
+from kvstore.protos import kvstore_pb2_grpc as pb_grpc
 
 #: Largest message either way: a lookup of 2,048 keys is 64 KiB, a reply a few more.
 MAX_MESSAGE_BYTES = 64 << 20

@@ -37,7 +37,7 @@ import numpy as np
 from kvstore.constants import KEY_NBYTES, PIN_HARD, PIN_NONE, PIN_SOFT
 from kvstore.coordinator.holders import MAX_NODES, HolderSets
 from kvstore.coordinator.planner import plan_evictions
-from kvstore.coordinator.probe import SlotHash
+from kvstore.coordinator.slot_table import SlotHash
 from kvstore.errors import KVStoreError
 
 __all__ = ["MAX_NODES", "PIN_HARD", "PIN_NONE", "PIN_SOFT", "Candidate", "LRUTable",

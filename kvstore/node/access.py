@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from kvstore.errors import PermissionDenied
 from kvstore.node.wire import namespace_from_spec
+from kvstore.protos import kvstore_pb2 as pb
 from kvstore.security.grants import Grant
-from protos import kvstore_pb2 as pb
 
 _MAX_ROOTS = 1024  # namespace roots remembered by spec (a dict, cleared when full)
 

@@ -2,7 +2,7 @@
 
 The arena is a single file in ``/dev/shm`` (tmpfs), mapped once and pre-faulted, so a put on
 the hot path only copies bytes: no malloc, no page fault, no syscall. Because it is a file,
-another process on the same node can map it read-only (``kvstore.node.shm_reader``) and copy a
+another process on the same node can map it read-only (``kvstore.client.shm_reader``) and copy a
 leased block without a socket in between.
 
 ::

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from kvstore.block import read_header
 from kvstore.errors import BlockCorrupted, BlockNotFound
-from kvstore.node.pool import ServedPool
+from kvstore.node.block_pool import ServedPool
 
 
 class BlockMeta:

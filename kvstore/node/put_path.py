@@ -1,14 +1,14 @@
 """A store node's write path: the Put stream and the unary PutBatch, block by block or a batch
 message at a time, each Put returning only after its keys are visible in the index.
 
-Kept apart from ``kvstore.node.server`` (which serves reads, leases and admin calls and mixes
+Kept apart from ``kvstore.node.store_server`` (which serves reads, leases and admin calls and mixes
 this in as ``PutPath``) because it is the one path with its own rules: the credential must
 grant the namespace's tenant before anything is read, every block must be exactly the
 namespace's block size (itself at most ``server.max_block_bytes``), two-phase per block
 (the chunks of a block buffered until it is whole -> reserve arena space -> copy -> verify ->
 commit), a batch message verified in its buffer and stored a run at a time, the good blocks
 before a bad one kept, and the publish (``on_publish``, coalesced by
-``kvstore.node.publisher``) before the call returns.
+``kvstore.node.publish_batcher``) before the call returns.
 
 Space in the pool is reserved only for bytes in hand: a chunked block waits in its own
 messages (capped, ``kvstore.node.limits``) until its last chunk arrived, so a stalled Put
@@ -44,8 +44,8 @@ from kvstore.index.base import IndexEntry
 from kvstore.keys import Namespace
 from kvstore.node.limits import Watch
 from kvstore.node.wire import namespace_from_spec, status_for
+from kvstore.protos import kvstore_pb2 as pb
 from kvstore.security.grants import Grant
-from protos import kvstore_pb2 as pb
 
 
 def abort_with(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:

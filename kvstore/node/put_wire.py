@@ -1,5 +1,5 @@
 """How a Put travels: the stream's messages, and a batch that fits one message as the
-serialized bytes of a unary ``PutBatch`` (``kvstore.node.client`` sends them; design.md §4).
+serialized bytes of a unary ``PutBatch`` (``kvstore.client.node_client`` sends them; design.md §4).
 
 Kept apart from the client because these are pure functions of the blocks, tested against the
 protobuf-built messages.
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from protos import kvstore_pb2 as pb
+from kvstore.protos import kvstore_pb2 as pb
 
 #: Bytes of whole blocks per batch Put message: big enough that per-message costs vanish,
 #: small enough that the server verifies one batch while the next is on the wire.

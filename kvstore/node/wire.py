@@ -1,7 +1,7 @@
 """What both ends of a store node's gRPC channel agree on: auth metadata, size limits, the
 wire form of a namespace, and how each ``kvstore.errors`` class travels as a status code.
 
-Kept apart from ``kvstore.node.server`` so a client never imports the server, and so the two
+Kept apart from ``kvstore.node.store_server`` so a client never imports the server, and so the two
 directions of the error table sit side by side: the server sends ``ClassName: message`` with the
 code of ``status_for``; the client rebuilds the class from the name, else from the code.
 """
@@ -36,9 +36,9 @@ from kvstore.errors import (
 from kvstore.keys import Namespace
 from kvstore.node.auth import AUTH_HEADER as AUTH_HEADER
 from kvstore.node.auth import AuthGate, AuthInterceptor
+from kvstore.protos import kvstore_pb2 as pb
 from kvstore.reader_metrics import ReaderTally
 from kvstore.security.tls import client_ca, server_cert_and_key
-from protos import kvstore_pb2 as pb
 
 #: Server side: the status code each error travels as (first match wins: subclasses first).
 _STATUS_OF: list[tuple[type[BaseException], grpc.StatusCode]] = [

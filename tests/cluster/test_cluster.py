@@ -20,12 +20,12 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvstore.api import FetchedBlock, Miss
+from kvstore.client.node_client import StoreNodeClient
 from kvstore.cluster import lifecycle, operations
 from kvstore.cluster.names import ARENA_PREFIX, coordinator_handle
 from kvstore.config import KVStoreConfig
 from kvstore.config_loader import load_config
 from kvstore.errors import KVStoreError, PoolFull
-from kvstore.node.client import StoreNodeClient
 from tests.support.ray_cluster import (  # noqa: F401  - fixtures are found by name
     BLOCK,
     CAPACITY,

@@ -157,8 +157,8 @@ def test_node_certificate_names_ip_and_host_and_is_not_a_ca() -> None:
 
 @pytest.fixture()
 def node_server(tmp_path: Path):  # noqa: ANN201 - (server, ca, token)
-    from kvstore.node.pool import BlockPool
-    from kvstore.node.server import StoreServer
+    from kvstore.node.block_pool import BlockPool
+    from kvstore.node.store_server import StoreServer
 
     ca = new_ca()
     cert, key = issue_server_cert(ca, ["127.0.0.1"])
@@ -173,7 +173,7 @@ def node_server(tmp_path: Path):  # noqa: ANN201 - (server, ca, token)
 
 
 def test_grpc_with_a_node_certificate_trusts_only_its_ca(node_server) -> None:
-    from kvstore.node.client import StoreNodeClient
+    from kvstore.client.node_client import StoreNodeClient
 
     server, ca, token = node_server
     grpc_address, _ = server.addresses

@@ -21,13 +21,13 @@ import ray
 import torch
 
 from kvstore.api import FetchedBlock
+from kvstore.client.node_client import StoreNodeClient
 from kvstore.cluster import credentials, lifecycle, operations, rotation
 from kvstore.cluster.names import coordinator_handle
 from kvstore.config import ClientConfig, KVStoreConfig
 from kvstore.config_loader import load_config
 from kvstore.errors import KVStoreError, Unauthenticated
 from kvstore.keys import Namespace
-from kvstore.node.client import StoreNodeClient
 from kvstore.security.ca import cert_info
 from kvstore.security.secrets_store import SecretsStore
 from tests.support.ray_cluster import (  # noqa: F401  - fixtures are found by name

@@ -13,7 +13,7 @@ import time
 import pytest
 import ray
 
-from kvstore.cli import error_line, exit_code
+from kvstore.cli.main import error_line, exit_code
 from kvstore.cluster import lifecycle
 from kvstore.cluster.names import RAY_NAMESPACE
 from kvstore.cluster.remote_errors import unwrap

@@ -11,7 +11,7 @@ import pytest
 from kvstore.cluster.store_node import EvictingPool
 from kvstore.coordinator.index_service import FastPath
 from kvstore.errors import PoolFull
-from kvstore.node.pool import BlockPool
+from kvstore.node.block_pool import BlockPool
 
 BLOCK = 4096
 NUM_BLOCKS = 16

@@ -24,8 +24,8 @@ from kvstore.coordinator.index_service import (
     encode_publish,
 )
 from kvstore.errors import InvalidRequest, NodeUnavailable, Unauthenticated
-from protos import kvstore_pb2 as pb
-from protos import kvstore_pb2_grpc as pb_grpc
+from kvstore.protos import kvstore_pb2 as pb
+from kvstore.protos import kvstore_pb2_grpc as pb_grpc
 from tests.coordinator.test_core import FakeClock, make_chain, make_entries
 
 FAST = ClientConfig(timeout_s=5, retries=0)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvstore.coordinator.lru import LRUTable
-from kvstore.coordinator.probe import EMPTY, TOMB, SlotHash
+from kvstore.coordinator.slot_table import EMPTY, TOMB, SlotHash
 from kvstore.coordinator.table_index import TableIndex
 from kvstore.errors import KVStoreError
 from kvstore.index.base import IndexEntry

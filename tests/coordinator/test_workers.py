@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.coordinator.workers import MAX_REPORT_BYTES, WorkerTable
+from kvstore.coordinator.worker_reports import MAX_REPORT_BYTES, WorkerTable
 
 
 def test_reports_replace_and_are_forgotten_on_close():

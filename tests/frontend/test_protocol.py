@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from frontend.detokenize import TextStream
-from frontend.protocol import APIError, ModelCard, parse_request
 from kvstore.config_loader import load_config
-from workers.tokenizer import ByteTokenizer
+from kvstore.frontend.detokenize import TextStream
+from kvstore.frontend.protocol import APIError, ModelCard, parse_request
+from kvstore.workers.model.tokenizer import ByteTokenizer
 
 CARD = ModelCard("tiny", 4096, 512, 0)
 
@@ -101,7 +101,7 @@ def test_text_streams_whole_characters_and_stops_before_the_stop_string() -> Non
 
 
 def test_serve_options_come_from_the_config(tmp_path) -> None:
-    from frontend.launch import build_app
+    from kvstore.frontend.launch import build_app
 
     path = tmp_path / "kvstore.yaml"
     path.write_text("serve:\n  autoscaling: true\n  min_replicas: 1\n  max_replicas: 3\n"
@@ -127,7 +127,7 @@ def _deployments(app) -> list:
 
 
 def test_shared_prefix_and_waiting_for_the_prefill_that_computes_it() -> None:
-    from frontend.coalesce import InFlightPrefills, shared_prefix
+    from kvstore.frontend.coalesce import InFlightPrefills, shared_prefix
 
     assert shared_prefix([1, 2, 3, 4], [1, 2, 9]) == 2
     assert shared_prefix([], [1]) == 0 and shared_prefix([5] * 9, [5] * 9) == 9
@@ -163,7 +163,7 @@ def test_serve_is_stopped_on_a_shared_cluster_only_when_no_application_is_left()
     listen on the old port: ours stops it when it was the last application, never others'."""
     from types import SimpleNamespace
 
-    from frontend.launch import _shutdown_serve_if_unused
+    from kvstore.frontend.launch import _shutdown_serve_if_unused
 
     class FakeServe:
         def __init__(self, apps: dict) -> None:
@@ -184,9 +184,9 @@ def test_serve_is_stopped_on_a_shared_cluster_only_when_no_application_is_left()
 def test_replicas_on_the_node_holding_the_prefix_rank_first() -> None:
     from types import SimpleNamespace
 
-    from frontend.deployments import EngineCall
-    from frontend.routing import PrefixAffinityRouter, node_blocks, rank_by_blocks
-    from workers.sampling import SamplingParams
+    from kvstore.frontend.deployments import EngineCall
+    from kvstore.frontend.routing import PrefixAffinityRouter, node_blocks, rank_by_blocks
+    from kvstore.workers.model.sampling import SamplingParams
 
     holders = [["n1", "n2"], ["n1"], ["n1", "n3"], ["n2"]]
     assert node_blocks(holders, 3) == {"n1": 3, "n2": 1, "n3": 1}

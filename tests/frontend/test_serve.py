@@ -22,11 +22,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvstore.config import WorkerConfig
+from kvstore.workers.engine.runner import Engine
+from kvstore.workers.model.causal_lm import load_model
+from kvstore.workers.model.sampling import SamplingParams
 from tests.support.checkpoint import build_checkpoint
 from tests.support.serve_process import ServeProcess, start_serve
-from workers.engine import Engine
-from workers.model import load_model
-from workers.sampling import SamplingParams
 
 pytestmark = pytest.mark.ray
 

@@ -5,7 +5,7 @@ tests.multihost.attacker FUNCTION`` with its keyword arguments as one JSON line 
 (credentials never go into argv, where any local user reads them): prints one ``ATTACK=<json>``
 line with what came back (and ``READY=<json>`` first for the attacks the test measures while they
 hold the node). Written from the wire format (protos/kvstore.proto, the bulk frame of
-kvstore/node/bulk.py, the block layout of docs/design.md §3.2) and deliberately NOT with
+kvstore/node/bulk_server.py, the block layout of docs/design.md §3.2) and deliberately NOT with
 kvstore's client or codec: the product's client might refuse a bad request on its own before
 the node ever sees it, and an attacker does not use it either. The test also calls these
 functions in-process with the cluster token, as the legitimate reader.
@@ -31,8 +31,8 @@ import grpc
 import msgpack
 import xxhash
 
-from protos import kvstore_pb2 as pb
-from protos import kvstore_pb2_grpc as pbg
+from kvstore.protos import kvstore_pb2 as pb
+from kvstore.protos import kvstore_pb2_grpc as pbg
 from tests.multihost.attacker_bulk import CALL_TIMEOUT_S, bulk_flood, bulk_read, recv_all
 
 ALIGN = 64

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgpack
 
-from protos import kvstore_pb2 as pb
+from kvstore.protos import kvstore_pb2 as pb
 
 #: Every call's deadline, the gRPC attacks' too (attacker.py takes it from here).
 CALL_TIMEOUT_S = 10.0

@@ -36,7 +36,7 @@ import ray
 from kvstore.cluster.names import RAY_NAMESPACE, coordinator_handle, store_actor_name
 
 PROBE_PREFIX = "PROBE="
-#: The worker classes that workers.replica.replica_actor runs as Ray actors.
+#: The worker classes that kvstore.workers.replicas.replica.replica_actor runs as Ray actors.
 REPLICA_CLASSES = ("PrefillWorker", "DecodeWorker")
 
 

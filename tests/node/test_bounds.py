@@ -17,19 +17,19 @@ import grpc
 import pytest
 
 from kvstore.block import block_nbytes
+from kvstore.client.node_client import StoreNodeClient
 from kvstore.cluster.store_node import EvictingPool
 from kvstore.config import ClientConfig, ServerConfig
 from kvstore.errors import Overloaded
 from kvstore.index.memory import InMemoryIndex
 from kvstore.keys import Namespace
-from kvstore.node.client import StoreNodeClient
+from kvstore.node.block_pool import BlockPool
 from kvstore.node.leases import LeaseTable, clamp_ttl
 from kvstore.node.limits import StreamWatchdog
-from kvstore.node.pool import BlockPool
-from kvstore.node.server import StoreServer
+from kvstore.node.store_server import StoreServer
 from kvstore.node.wire import grpc_options, spec_from_namespace
-from protos import kvstore_pb2 as pb
-from protos import kvstore_pb2_grpc as pb_grpc
+from kvstore.protos import kvstore_pb2 as pb
+from kvstore.protos import kvstore_pb2_grpc as pb_grpc
 from tests.node.test_server import make_blocks, make_namespace
 
 FAST = ClientConfig(timeout_s=10, retries=0)

@@ -23,10 +23,11 @@ import torch
 
 from kvstore import metrics
 from kvstore.block import encode_block
+from kvstore.client.bulk_client import BulkClient
 from kvstore.config import ClientConfig, ServerConfig
 from kvstore.errors import NodeUnavailable, PermissionDenied, RequestTooLarge, Unauthenticated
 from kvstore.keys import BlockHasher, Namespace
-from kvstore.node.bulk import BulkClient, BulkServer
+from kvstore.node.block_pool import BlockPool
 from kvstore.node.bulk_frames import (
     MAGIC,
     MAX_CREDENTIAL_BYTES,
@@ -39,7 +40,7 @@ from kvstore.node.bulk_frames import (
     STATUS_UNAUTHENTICATED,
     encode_request,
 )
-from kvstore.node.pool import BlockPool
+from kvstore.node.bulk_server import BulkServer
 from kvstore.security.grants import issue_credential
 from kvstore.security.tls import client_ssl_context
 

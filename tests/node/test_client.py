@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.client.node_client import StoreNodeClient
 from kvstore.config import ClientConfig, ServerConfig
 from kvstore.errors import (
     InvalidRequest,
@@ -22,10 +23,9 @@ from kvstore.errors import (
     RequestTooLarge,
     Unauthenticated,
 )
-from kvstore.node.bulk import MAGIC
-from kvstore.node.client import StoreNodeClient
-from kvstore.node.pool import BlockPool
-from kvstore.node.server import StoreServer
+from kvstore.node.block_pool import BlockPool
+from kvstore.node.bulk_server import MAGIC
+from kvstore.node.store_server import StoreServer
 from tests.node.test_server import make_blocks, make_namespace, make_self_signed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def test_put_rows_stores_exactly_what_put_blocks_does(server, monkeypatch,
     the stream: the node holds the same bytes either way, and held keys count as existing."""
     import numpy as np
 
-    import kvstore.node.client as client_module
+    import kvstore.client.node_client as client_module
 
     monkeypatch.setattr(client_module, "UNARY_PUT_BYTES", unary_limit)
     srv, pool = server
@@ -231,8 +231,8 @@ def test_bulk_peer_dying_mid_block_gives_no_partial_block() -> None:
 SERVER_SCRIPT = """
 import sys, time
 from kvstore.config import ServerConfig
-from kvstore.node.pool import BlockPool
-from kvstore.node.server import StoreServer
+from kvstore.node.block_pool import BlockPool
+from kvstore.node.store_server import StoreServer
 pool = BlockPool(64 << 20)
 srv = StoreServer(pool, "sub", ServerConfig())
 g, b = srv.start()
@@ -343,7 +343,7 @@ def test_slow_same_node_copy_renews_its_lease_and_a_lost_lease_is_typed(server, 
                                                                          ) -> None:
     """The lease is renewed between blocks once a third of its TTL is gone; if the node no
     longer knows the lease, the read fails with LeaseExpired instead of trusting the bytes."""
-    import kvstore.node.shm_reader as shm_reader_module
+    import kvstore.client.shm_reader as shm_reader_module
 
     srv, pool = server
     grpc_addr, _ = srv.addresses
@@ -392,7 +392,7 @@ def test_small_same_node_blocks_verify_as_a_batch_with_the_per_block_verdicts(
     """Small blocks are copied out of the arena and verified a batch at a time: every verdict
     (good, damaged payload, damaged header, wrong tokens, absent) and every byte handed out
     equals the one-pass per-block path's, which the test forces as the reference."""
-    import kvstore.node.shm_reader as shm_reader_module
+    import kvstore.client.shm_reader as shm_reader_module
 
     srv, pool = server
     grpc_addr, _ = srv.addresses
@@ -434,7 +434,7 @@ def test_a_finished_lease_is_released_by_the_next_read_or_soon_after(server, mon
     """``release_nowait`` costs no call of its own when the reader reads again: the next
     Lease carries it. Otherwise the release thread sends it within RELEASE_DELAY_S, and a
     Lease that fails hands its releases back to be sent."""
-    import kvstore.node.client as client_module
+    import kvstore.client.node_client as client_module
 
     srv, pool = server
     grpc_addr, _ = srv.addresses

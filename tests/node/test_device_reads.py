@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from kvstore.block import block_nbytes, payload_offset, payload_view
+from kvstore.client import device_reads, verify_pool
+from kvstore.client.device_copy import DeviceRows, StagingPool, register_host, target_device
+from kvstore.client.shm_reader import ShmReader
 from kvstore.errors import BlockCorrupted, BlockMismatch
 from kvstore.keys import Namespace
-from kvstore.node import device_reads, verify_pool
-from kvstore.node.device_copy import DeviceRows, StagingPool, register_host, target_device
-from kvstore.node.pool import BlockLocation, BlockPool
-from kvstore.node.shm_reader import ShmReader
+from kvstore.node.block_pool import BlockLocation, BlockPool
 from tests.node.test_server import make_blocks
 from tests.support.arena import corrupt_in_arena
 
@@ -140,7 +140,7 @@ def test_register_host_refusal_is_logged_not_raised(caplog) -> None:
     if torch.cuda.is_available():
         pytest.skip("registers for real with CUDA")
     buf = np.zeros(4096, dtype=np.uint8)
-    with caplog.at_level(logging.WARNING, logger="kvstore.node.device_copy"):
+    with caplog.at_level(logging.WARNING, logger="kvstore.client.device_copy"):
         assert register_host(buf.ctypes.data, buf.size, "a test buffer") is False
     assert "staging" in caplog.text
 

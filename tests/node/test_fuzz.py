@@ -26,18 +26,19 @@ from hypothesis import strategies as st
 
 from kvstore.block import encode_block, payload_view, read_header, verify_block, verify_block_self
 from kvstore.block_batch import verify_blocks
+from kvstore.client.bulk_client import BulkClient
 from kvstore.config import ServerConfig
 from kvstore.constants import align_up
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockHasher, Namespace
-from kvstore.node.bulk import BulkClient, BulkServer
+from kvstore.node.block_pool import BlockPool
 from kvstore.node.bulk_frames import MAGIC, REQ_HEAD, RESP_HEAD, encode_request
-from kvstore.node.pool import BlockPool
-from kvstore.node.server import StoreServer
+from kvstore.node.bulk_server import BulkServer
+from kvstore.node.store_server import StoreServer
 from kvstore.node.wire import AUTH_HEADER, grpc_options, spec_from_namespace
+from kvstore.protos import kvstore_pb2 as pb
+from kvstore.protos import kvstore_pb2_grpc as pb_grpc
 from kvstore.security.grants import issue_credential
-from protos import kvstore_pb2 as pb
-from protos import kvstore_pb2_grpc as pb_grpc
 
 TOKEN = "cluster-token-of-the-fuzz-tests"
 DATA_KEY = bytes(range(100, 132))

@@ -14,19 +14,19 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from kvstore.client.node_client import StoreNodeClient
 from kvstore.config import ClientConfig, KVStoreConfig, ServerConfig
 from kvstore.coordinator.core import CoordinatorCore
 from kvstore.coordinator.index_service import IndexClient, IndexServer
 from kvstore.errors import NamespaceMismatch, PermissionDenied, Unauthenticated
 from kvstore.index.memory import InMemoryIndex
 from kvstore.keys import Namespace
-from kvstore.node.client import StoreNodeClient
-from kvstore.node.pool import BlockPool
-from kvstore.node.server import StoreServer
+from kvstore.node.block_pool import BlockPool
+from kvstore.node.store_server import StoreServer
 from kvstore.node.wire import AUTH_HEADER, grpc_options, spec_from_namespace
+from kvstore.protos import kvstore_pb2 as pb
+from kvstore.protos import kvstore_pb2_grpc as pb_grpc
 from kvstore.security.grants import issue_credential
-from protos import kvstore_pb2 as pb
-from protos import kvstore_pb2_grpc as pb_grpc
 from tests.coordinator.test_core import FakeClock, make_chain, make_entries
 from tests.node.test_server import make_blocks
 

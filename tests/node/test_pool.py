@@ -13,7 +13,7 @@ import pytest
 from kvstore.constants import ALIGN
 from kvstore.errors import BlockNotFound, KVStoreError, PoolFull
 from kvstore.node.arena import ExtentAllocator
-from kvstore.node.pool import BlockPool
+from kvstore.node.block_pool import BlockPool
 
 
 def make_key(i: int) -> bytes:

@@ -7,7 +7,7 @@ import threading
 import time
 
 from kvstore.index.base import IndexEntry
-from kvstore.node.publisher import CoalescingPublisher
+from kvstore.node.publish_batcher import CoalescingPublisher
 
 
 def make_entries(tag: int, n: int) -> list[IndexEntry]:

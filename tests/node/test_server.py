@@ -14,17 +14,18 @@ import pytest
 import torch
 
 from kvstore.block import encode_block
+from kvstore.client.bulk_client import BulkClient
 from kvstore.config import ServerConfig
 from kvstore.errors import Unauthenticated
 from kvstore.index.memory import InMemoryIndex
 from kvstore.keys import BlockHasher, Namespace
-from kvstore.node.bulk import MAGIC, BulkClient
+from kvstore.node.block_pool import BlockPool
 from kvstore.node.bulk_frames import encode_request
-from kvstore.node.pool import BlockPool
-from kvstore.node.server import StoreServer
+from kvstore.node.bulk_server import MAGIC
+from kvstore.node.store_server import StoreServer
 from kvstore.node.wire import AUTH_HEADER, grpc_options, spec_from_namespace
-from protos import kvstore_pb2 as pb
-from protos import kvstore_pb2_grpc as pb_grpc
+from kvstore.protos import kvstore_pb2 as pb
+from kvstore.protos import kvstore_pb2_grpc as pb_grpc
 
 NODE = "node-a"
 

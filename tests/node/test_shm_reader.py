@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvstore.block import block_nbytes, encode_block
+from kvstore.client.shm_reader import ShmReader
 from kvstore.errors import BlockCorrupted, BlockMismatch
 from kvstore.keys import BlockHasher, Namespace
-from kvstore.node.pool import BlockLocation, BlockPool
-from kvstore.node.shm_reader import ShmReader
+from kvstore.node.block_pool import BlockLocation, BlockPool
 
 NUM_BLOCKS = 4
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from kvstore.node.pool import BlockPool
+from kvstore.node.block_pool import BlockPool
 
 
 def corrupt_in_arena(pool: BlockPool, key: bytes) -> None:

@@ -1,4 +1,4 @@
-"""Running the worker jobs through ``kvstore.cli.main`` in-process, as a user types them."""
+"""Running the worker jobs through ``kvstore.cli.main.main`` in-process, as a user types them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvstore.cli import main
+from kvstore.cli.main import main
 
 
 def write_prompts(path: Path, rows: list[dict[str, Any]]) -> str:

@@ -58,7 +58,7 @@ def start_serve(args: list[str], workdir: Path, env: dict[str, str] | None = Non
                 **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstore.cli", "serve", *args, "--port", str(port),
+            [sys.executable, "-m", "kvstore.cli.main", "serve", *args, "--port", str(port),
              "--ready-file", str(ready)],
             stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
     server = ServeProcess(f"http://127.0.0.1:{port}", proc, log_path)

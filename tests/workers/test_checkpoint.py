@@ -12,14 +12,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvstore.cli import main
+from kvstore.cli.main import main
 from kvstore.config_loader import load_config
 from kvstore.errors import ConfigError
+from kvstore.workers.jobs.prompts import parse_prompt_line, read_prompts
+from kvstore.workers.model.causal_lm import generation_stop_ids, load_model
+from kvstore.workers.model.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_for
 from tests.support.checkpoint import build_checkpoint
 from tests.support.cli_jobs import run, write_prompts
-from workers.model import generation_stop_ids, load_model
-from workers.prompts import parse_prompt_line, read_prompts
-from workers.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_for
 
 SYSTEM = ("You are a helpful assistant. Answer briefly and clearly. The store keeps the key and "
           "value tensors of every prompt block so that a second request starts from the cache.")
@@ -146,8 +146,8 @@ def test_stop_ids_come_from_generation_config_then_config(base, tmp_path):
 
 @pytest.mark.parametrize("extra, want", [([], (5, 1)), (["--ignore-eos"], (5,))])
 def test_sampling_stops_at_the_union_unless_eos_is_ignored(base, extra, want):
-    from kvstore.cli import build_parser
-    from workers.jobs import make_sampling
+    from kvstore.cli.main import build_parser
+    from kvstore.workers.jobs.commands import make_sampling
 
     args = build_parser().parse_args(["generate", "--prompts", "p.jsonl", "--model", str(base),
                                       "--stop-token-ids", "5", *extra])

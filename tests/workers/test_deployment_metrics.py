@@ -13,9 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.block import block_nbytes
 from kvstore.keys import BlockHasher
+from kvstore.workers.jobs.deployment import Deployment
+from kvstore.workers.model.causal_lm import load_model
 from tests.workers.test_serving import SAMPLING, make_config, make_prompt
-from workers.model import load_model
-from workers.serving import Deployment
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 

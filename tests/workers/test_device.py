@@ -9,15 +9,20 @@ import numpy as np
 import pytest
 import torch
 
+from kvstore.client.local_store import LocalStore
 from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError
-from kvstore.local import LocalStore
-from workers import attention, device
-from workers.device import describe_numerics, numerics_tag, resolve_device, resolve_worker
-from workers.engine import Engine
-from workers.fingerprint import ROW, _weights, tensor_checksum, weights_digest
-from workers.model import load_model
-from workers.sampling import SamplingParams
+from kvstore.workers import attention, device
+from kvstore.workers.engine.runner import Engine
+from kvstore.workers.model.causal_lm import load_model
+from kvstore.workers.model.device import (
+    describe_numerics,
+    numerics_tag,
+    resolve_device,
+    resolve_worker,
+)
+from kvstore.workers.model.fingerprint import ROW, _weights, tensor_checksum, weights_digest
+from kvstore.workers.model.sampling import SamplingParams
 
 BS = 16
 

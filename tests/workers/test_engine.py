@@ -16,13 +16,13 @@ import torch
 
 from kvstore import metrics
 from kvstore.api import MISS_NODE_UNAVAILABLE, FetchedBlock, Miss, TokenIds
+from kvstore.client.local_store import LocalStore
 from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError, RequestCancelled
 from kvstore.keys import Namespace
-from kvstore.local import LocalStore
-from workers.engine import Engine
-from workers.model import load_model
-from workers.sampling import SamplingParams
+from kvstore.workers.engine.runner import Engine
+from kvstore.workers.model.causal_lm import load_model
+from kvstore.workers.model.sampling import SamplingParams
 
 BS, CHUNK = 16, 32
 SAMPLING = SamplingParams(max_new_tokens=6)

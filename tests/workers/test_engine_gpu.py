@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.local import LocalStore
+from kvstore.client.local_store import LocalStore
+from kvstore.workers.engine.runner import Engine
+from kvstore.workers.model.causal_lm import load_model
 from tests.workers.test_engine import (
     HolderGone,
     assert_same,
@@ -19,8 +21,6 @@ from tests.workers.test_engine import (
     make_config,
     make_prompt,
 )
-from workers.engine import Engine
-from workers.model import load_model
 
 pytestmark = pytest.mark.gpu
 BS = 16
@@ -96,7 +96,7 @@ def test_fetched_blocks_arrive_on_the_device(model) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_the_weights_checksum_is_the_same_on_the_gpu_and_the_cpu(dtype) -> None:
     """Exact float64 row sums: one fingerprint for the same weights on any device."""
-    from workers.fingerprint import tensor_checksum
+    from kvstore.workers.model.fingerprint import tensor_checksum
 
     t = (torch.randn(3, 70001, generator=torch.Generator().manual_seed(2)) * 40).to(dtype)
     assert tensor_checksum(t.to("cuda")) == tensor_checksum(t)

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from kvstore.config import WorkerConfig
+from kvstore.workers.engine.runner import Engine
+from kvstore.workers.model.causal_lm import load_model
+from kvstore.workers.model.sampling import SamplingParams
 from tests.support.arena import corrupt_in_arena
 from tests.test_cluster_store_device import DATA_KEY
 from tests.test_cluster_store_device import make_cluster as make_cluster  # noqa: F401 (fixture)
-from workers.engine import Engine
-from workers.model import load_model
-from workers.sampling import SamplingParams
 
 BS = 16
 SAMPLING = SamplingParams(max_new_tokens=4)

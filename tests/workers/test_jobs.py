@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from kvstore.cli import main
+from kvstore.cli.main import main
 from tests.support.cli_jobs import run, write_prompts
 
 FLAGS = ["--in-process", "--model", "tiny", "--block-size", "16", "--chunk-tokens", "32",
@@ -85,7 +85,7 @@ def test_a_preset_takes_messages_in_its_builtin_template(tmp_path, capsys):
 @pytest.mark.parametrize("spec, want", [("prefill", {"prefill": 0.01}),
                                         ("decode=0.5", {"decode": 0.5})])
 def test_placement_resource_specs(spec, want):
-    from workers.serving import parse_resource
+    from kvstore.workers.jobs.deployment import parse_resource
 
     assert parse_resource(spec) == want
 
@@ -115,12 +115,12 @@ def test_zero_new_tokens_returns_no_tokens(tmp_path, capsys, command):
 
 
 def test_output_to_a_missing_directory_fails_before_any_work(tmp_path, capsys, monkeypatch):
-    import workers.jobs
+    import kvstore.workers.jobs.commands
 
     def no_deployment(*args, **kwargs):
         raise AssertionError("the deployment started before --output was checked")
 
-    monkeypatch.setattr(workers.jobs, "Deployment", no_deployment)
+    monkeypatch.setattr(kvstore.workers.jobs.commands, "Deployment", no_deployment)
     prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "token_ids": [1, 2, 3]}])
     out = tmp_path / "missing" / "out.jsonl"
     assert main(["generate", "--prompts", prompts, *FLAGS, "--output", str(out)]) == 2
@@ -134,7 +134,7 @@ def test_output_check_in_a_subprocess(tmp_path):
     import sys
 
     prompts = write_prompts(tmp_path / "p.jsonl", [{"id": "a", "token_ids": [1, 2, 3]}])
-    proc = subprocess.run([sys.executable, "-m", "kvstore.cli", "generate", "--in-process",
+    proc = subprocess.run([sys.executable, "-m", "kvstore.cli.main", "generate", "--in-process",
                            "--model", "tiny", "--prompts", prompts,
                            "--output", str(tmp_path / "nope" / "out.jsonl")],
                           capture_output=True, text=True, timeout=120)
@@ -146,7 +146,7 @@ def test_output_check_in_a_subprocess(tmp_path):
 
 def test_a_failed_write_keeps_the_results(tmp_path):
     from kvstore.errors import ConfigError
-    from workers.jobs import write_output
+    from kvstore.workers.jobs.commands import write_output
 
     rows = [{"id": "a", "output_token_ids": [1, 2]}]
     with pytest.raises(ConfigError, match="the results are in") as info:

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig
 
 from kvstore.errors import ConfigError
-from workers.model import PRESETS, load_model
+from kvstore.workers.model.causal_lm import PRESETS, load_model
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_fingerprint_is_deterministic_and_covers_weights(tiny):
     # One changed weight must change the fingerprint: it hashes bytes, not the preset name.
     with torch.no_grad():
         again.model.lm_head.weight[0, 0] += 1.0
-    from workers.model import CausalLM
+    from kvstore.workers.model.causal_lm import CausalLM
     assert CausalLM(again.model, "float32", "tiny").fingerprint != tiny.fingerprint
 
 
@@ -91,7 +91,7 @@ def test_a_cache_that_is_not_plain_full_attention_is_refused_at_load():
     # window per layer: the structural check sees that whatever the model's code does.
     model = load_model("tiny").model
     model.config.attention_chunk_size = 8
-    from workers.model import CausalLM
+    from kvstore.workers.model.causal_lm import CausalLM
     with pytest.raises(ConfigError, match="DynamicSlidingWindowLayer, not full attention"):
         CausalLM(model, "float32", "chunked")
 
@@ -114,7 +114,7 @@ class _LatentAttention(torch.nn.Module):
 
 
 def test_different_k_and_v_head_dims_are_refused_at_load():
-    from workers.model import CausalLM
+    from kvstore.workers.model.causal_lm import CausalLM
 
     with pytest.raises(ConfigError, match=r"'mla'.*different K and V head dims \(MLA\)"):
         CausalLM(_LatentAttention(), "float32", "mla")
@@ -123,7 +123,7 @@ def test_different_k_and_v_head_dims_are_refused_at_load():
 def test_layer_types_other_than_full_attention_are_refused():
     from transformers import LlamaForCausalLM
 
-    from workers.model import CausalLM
+    from kvstore.workers.model.causal_lm import CausalLM
 
     cfg = LlamaConfig(**PRESETS["tiny"], layer_types=["full_attention", "chunked_attention"])
     with pytest.raises(ConfigError, match="layer_types"):

@@ -18,10 +18,10 @@ import ray
 from kvstore.config import KVStoreConfig, WorkerConfig
 from kvstore.config_loader import load_config
 from kvstore.errors import ClusterUnavailable, ConfigError
+from kvstore.workers.jobs.deployment import Deployment
+from kvstore.workers.replicas.placement import resolve_gpus_per_replica
 from tests.support.ray_cluster import wait_for
 from tests.support.ray_head import connected_ray_head
-from workers.placement import resolve_gpus_per_replica
-from workers.serving import Deployment
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -82,8 +82,8 @@ def test_bad_values_are_refused_when_the_settings_load(value: str) -> None:
 
 
 def test_the_setting_from_yaml_environment_and_flags(tmp_path) -> None:
-    from kvstore.cli import build_parser
-    from workers.jobs import make_config
+    from kvstore.cli.main import build_parser
+    from kvstore.workers.jobs.commands import make_config
 
     assert WorkerConfig().gpus_per_replica == "auto"
     path = tmp_path / "kvstore.yaml"
@@ -99,7 +99,7 @@ def test_the_setting_from_yaml_environment_and_flags(tmp_path) -> None:
 
 
 def test_serve_replicas_ask_ray_for_their_gpus() -> None:
-    from frontend.launch import build_app
+    from kvstore.frontend.launch import build_app
 
     app = build_app(KVStoreConfig(worker=make_worker()), None, gpus_per_replica=0.5)
     ingress = app._bound_deployment

@@ -21,15 +21,15 @@ import xxhash
 
 from kvstore.api import BlockPut, FetchedBlock
 from kvstore.block import BlockHeader, read_header
+from kvstore.client.local_store import LocalStore
 from kvstore.config import WorkerConfig
 from kvstore.constants import align_up
 from kvstore.errors import PermissionDenied
 from kvstore.keys import BlockHasher, Namespace
-from kvstore.local import LocalStore
 from kvstore.security.data_keys import block_tag, tenant_key
-from workers.engine import Engine
-from workers.model import load_model
-from workers.sampling import SamplingParams
+from kvstore.workers.engine.runner import Engine
+from kvstore.workers.model.causal_lm import load_model
+from kvstore.workers.model.sampling import SamplingParams
 
 BS, CHUNK = 16, 32
 SAMPLING = SamplingParams(max_new_tokens=16)

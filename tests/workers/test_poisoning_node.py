@@ -15,16 +15,18 @@ import torch
 import xxhash
 
 from kvstore.api import BlockPut, FetchedBlock, Miss, NodeAddress
-from kvstore.cluster_store import ClusterStore
+from kvstore.client.cluster_store import ClusterStore
+from kvstore.client.local_store import LocalStore
 from kvstore.config import ClientConfig, ServerConfig
 from kvstore.errors import KVStoreError
 from kvstore.index.base import IndexEntry
 from kvstore.index.memory import InMemoryIndex
 from kvstore.keys import BlockHasher, Namespace
-from kvstore.local import LocalStore
-from kvstore.node.pool import BlockPool
-from kvstore.node.server import StoreServer
+from kvstore.node.block_pool import BlockPool
+from kvstore.node.store_server import StoreServer
 from kvstore.security.data_keys import block_tag, tenant_key
+from kvstore.workers.engine.runner import Engine
+from kvstore.workers.model.causal_lm import load_model
 from tests.workers.test_poisoning_engine import (
     BS,
     DATA_KEY,
@@ -35,8 +37,6 @@ from tests.workers.test_poisoning_engine import (
     forged_block,
     prompt,
 )
-from workers.engine import Engine
-from workers.model import load_model
 
 FAST = ClientConfig(timeout_s=10, retries=1)
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from kvstore import metrics
+from kvstore.client.local_store import LocalStore
 from kvstore.config import WorkerConfig
 from kvstore.keys import Namespace
-from kvstore.local import LocalStore
-from workers.engine import Engine
-from workers.model import load_model
-from workers.publish import BackgroundPublisher, PublishBatch
-from workers.sampling import SamplingParams
+from kvstore.workers.engine.background_publisher import BackgroundPublisher, PublishBatch
+from kvstore.workers.engine.runner import Engine
+from kvstore.workers.model.causal_lm import load_model
+from kvstore.workers.model.sampling import SamplingParams
 
 NS = Namespace("f" * 64, "float32", 4, 1, 1, 2)
 
@@ -154,7 +154,7 @@ def test_an_idle_publisher_thread_ends_and_the_next_submit_restarts_it(monkeypat
     """An engine nobody uses keeps no thread (and so no store) alive."""
     import time
 
-    from workers import publish
+    from kvstore.workers import publish
 
     monkeypatch.setattr(publish, "IDLE_EXIT_S", 0.05)
     store = LocalStore()

@@ -14,12 +14,12 @@ import random
 import pytest
 import torch
 
+from kvstore.client.local_store import LocalStore
 from kvstore.config import WorkerConfig
-from kvstore.local import LocalStore
-from workers import reuse
-from workers.engine import Engine
-from workers.model import load_model
-from workers.sampling import SamplingParams
+from kvstore.workers import reuse
+from kvstore.workers.engine.runner import Engine
+from kvstore.workers.model.causal_lm import load_model
+from kvstore.workers.model.sampling import SamplingParams
 
 SAMPLING = SamplingParams(max_new_tokens=4)
 
@@ -244,7 +244,7 @@ def test_the_probe_view_runs_the_first_layers_and_changes_nothing():
     first layers, and the model itself untouched."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from workers.model import PRESETS, CausalLM
+    from kvstore.workers.model.causal_lm import PRESETS, CausalLM
 
     torch.manual_seed(0)
     model = CausalLM(LlamaForCausalLM(LlamaConfig(**{**PRESETS["tiny"], "num_hidden_layers": 3})),

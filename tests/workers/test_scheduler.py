@@ -11,12 +11,12 @@ import pytest
 
 from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError
+from kvstore.workers.engine.runner import Engine
+from kvstore.workers.jobs.deployment import Deployment
+from kvstore.workers.model.causal_lm import load_model
+from kvstore.workers.model.sampling import SamplingParams
+from kvstore.workers.replicas.request_pipeline import InlineCalls
 from tests.workers.test_serving import SAMPLING, make_config, make_prompt
-from workers.engine import Engine
-from workers.model import load_model
-from workers.sampling import SamplingParams
-from workers.scheduler import InlineCalls
-from workers.serving import Deployment
 
 
 def make_requests(num: int, system_tokens: int = 64) -> list[tuple[str, list[int]]]:

@@ -9,11 +9,11 @@ from kvstore.api import PrefixHit
 from kvstore.config import KVStoreConfig, WorkerConfig
 from kvstore.errors import ConfigError, NodeUnavailable
 from kvstore.keys import BlockHasher
-from workers.engine import Engine
-from workers.model import load_model
-from workers.router import ReplicaSlot, Router
-from workers.sampling import SamplingParams
-from workers.serving import Deployment
+from kvstore.workers.engine.runner import Engine
+from kvstore.workers.jobs.deployment import Deployment
+from kvstore.workers.model.causal_lm import load_model
+from kvstore.workers.model.sampling import SamplingParams
+from kvstore.workers.replicas.router import ReplicaSlot, Router
 
 SAMPLING = SamplingParams(max_new_tokens=5)
 

@@ -1,0 +1,285 @@
+"""The operator CLI, ``kvstore``: start/stop/status of the cluster, pins, drains, invalidation.
+
+Worker subcommands (demo, prefill, decode, generate, bench) come from
+``kvstore.workers.jobs.commands.register(subparsers)`` when the workers package provides it; every
+subcommand sets ``func(args) -> int | None`` with ``set_defaults``.
+
+Every expected failure, wherever it was raised (in this process or inside a Ray actor), prints
+one line ``kvstore: error: ...`` saying what to fix, and exits with the code of its kind;
+``--debug`` adds the traceback:
+
+    0    success
+    1    an unexpected failure (a bug): run again with --debug and report the traceback
+    2    bad arguments or settings (ConfigError): fix the flag, file or KVSTORE_* variable
+    3    no Ray cluster, or kvstore not running on it (ClusterUnavailable, NodeUnavailable)
+    4    the Redis index failed: unreachable, wrong or needless password (IndexBackendError)
+    5    kvstore already runs with other settings (ClusterConflict): `kvstore stop` first
+    130  interrupted (Ctrl-C)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvstore.cli import cache as cache_commands
+from kvstore.cli import credentials as credential_commands
+from kvstore.cli import status as status_command
+from kvstore.config import KVStoreConfig
+from kvstore.config_loader import load_config
+from kvstore.errors import (
+    ClusterConflict,
+    ConfigError,
+    IndexBackendError,
+    KVStoreError,
+    NodeUnavailable,
+)
+
+#: Subcommands defined here; for these the worker subcommands (which import torch and
+#: transformers, seconds of start-up) are not loaded.
+OPERATOR_COMMANDS = frozenset({"start", "stop", "status", "ls", "pin", "unpin", "drain",
+                               "invalidate", "credentials", "rotate-credentials"})
+
+console = Console()
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE",
+                        help="YAML settings (see docs/configuration.md)")
+    parser.add_argument("--address", metavar="RAY_ADDRESS",
+                        help="Ray cluster to use (default: RAY_ADDRESS, else the running one)")
+
+
+def config_from_args(args: argparse.Namespace) -> KVStoreConfig:
+    """Defaults < --config FILE < KVSTORE_* variables < command-line flags."""
+    overrides: dict[str, dict[str, Any]] = {}
+    if getattr(args, "redis", None):
+        overrides["index"] = {"backend": "redis", "redis_url": args.redis}
+    if getattr(args, "redis_password_file", None):
+        overrides.setdefault("index", {})["redis_password_file"] = args.redis_password_file
+    if getattr(args, "capacity", None):
+        overrides["pool"] = {"capacity_bytes": args.capacity}
+    if getattr(args, "insecure", False):
+        overrides["security"] = {"insecure": True}
+    if getattr(args, "secrets_dir", None):
+        overrides.setdefault("security", {})["secrets_dir"] = args.secrets_dir
+    return load_config(getattr(args, "config", None), overrides=overrides)
+
+
+def warn_argv_password(url: str | None) -> None:
+    """A password in ``--redis URL`` works, but every user on the host sees it in ``ps``."""
+    from urllib.parse import urlsplit
+
+    if url and urlsplit(url).password:
+        _note("warning: the Redis password in --redis is visible to every local user (ps, "
+              "/proc); pass it with --redis-password-file FILE or KVSTORE_INDEX_REDIS_PASSWORD "
+              "and drop it from the URL (docs/security.md)")
+
+
+def _note(message: str) -> None:
+    print(f"kvstore: {message}", file=sys.stderr)
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    """Start kvstore on the named Ray cluster, else on a local Ray head started here.
+
+    The cluster used is recorded (``kvstore.cluster.address``), so later commands find it
+    without flags; a head started here is stopped again if the start fails, and by ``stop``.
+    """
+    import os
+
+    from kvstore.cluster import address, head, lifecycle
+
+    warn_argv_password(args.redis)
+    config = config_from_args(args)
+    lifecycle.check_index(lifecycle.with_redis_password(config))  # before any head or actor
+    resolved = address.resolve(args.address)
+    started_head: address.RecordedCluster | None = None
+    target = resolved.address
+    if target in (None, address.LOCAL):  # `local` must outlive this command: a head
+        with console.status("no Ray cluster named: starting a local Ray head..."):
+            started_head = head.start_head()
+        os.environ["RAY_AUTH_MODE"] = started_head.auth_mode
+        target = started_head.address
+        _note(f"started a local Ray head at {target} (auth: {started_head.auth_mode}); "
+              "`kvstore stop` stops it")
+    try:
+        with console.status("starting the coordinator and one store node per Ray node..."):
+            info = lifecycle.start(config, start_local=False, address=resolved if
+                                   started_head is None else target)
+    except BaseException:
+        if started_head is not None:
+            _shutdown_ray()
+            head.stop_head(started_head)
+        raise
+    if started_head is not None:
+        address.record(started_head)
+    elif resolved.source == "--address":  # RAY_ADDRESS stays set in the shell: no need
+        address.record(address.RecordedCluster(
+            str(target), os.environ.get("RAY_AUTH_MODE", "")))
+    verb = "already running" if info.already_running else "started"
+    table = Table(title=f"kvstore {verb} (index: {info.index_backend}, epoch {info.epoch})")
+    table.add_column("node id")
+    table.add_column("gRPC")
+    table.add_column("bulk")
+    for node_id, addr in sorted(info.nodes.items()):
+        table.add_row(node_id, addr.grpc_address, addr.bulk_address or "-")
+    console.print(table)
+    console.print(f"pool capacity per node: {info.capacity_bytes:,} bytes; "
+                  f"Ray: {info.ray_address}")
+    _print_security(info)
+    return 0
+
+
+def _print_security(info: Any) -> None:
+    if info.security == "secure":
+        made = "made now" if info.secrets_created else "loaded"
+        where = f" (cluster secrets {made}: {info.secrets_dir})" if info.secrets_dir else ""
+        console.print(f"security: authentication, TLS and tenant checks on{where}; clients "
+                      "started on the cluster get the credentials from the coordinator")
+    elif info.security == "insecure":
+        from kvstore.cluster.credentials import INSECURE_WARNING
+
+        _note("WARNING: " + INSECURE_WARNING)
+    else:
+        console.print("security: off (every store node on loopback: the single-machine "
+                      "default)")
+
+
+def _shutdown_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """Stop every kvstore actor; and the Ray head, when `kvstore start` started it."""
+    from kvstore.cluster import address, head, lifecycle
+
+    config = config_from_args(args)
+    resolved = address.resolve(args.address)
+    if resolved.address is None:
+        address.forget()  # a stale record (the note said so) is of no further use
+    num_killed = lifecycle.stop(config, address=resolved)
+    console.print(f"kvstore stopped ({num_killed} actors)")
+    rec = address.recorded()
+    if rec is not None and rec.address == resolved.address:
+        _shutdown_ray()
+        head.stop_head(rec)
+        address.forget()
+        if rec.head_pid is not None:
+            console.print(f"stopped the local Ray head kvstore started at {rec.address}")
+    return 0
+
+
+def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
+    """The argument parser, worker subcommands included when the workers package is there."""
+    parser = argparse.ArgumentParser(
+        prog="kvstore", description="kvstore operator CLI: a distributed KV-cache store on Ray")
+    parser.add_argument("--debug", action="store_true",
+                        help="on failure, print the traceback too (accepted after the command)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("start", help="start the coordinator and a store node per Ray node")
+    _common(p)
+    p.add_argument("--redis", metavar="URL", help="use Redis as the index (redis://host:port/db "
+                   "or rediss:// for TLS); no password here: see --redis-password-file")
+    p.add_argument("--redis-password-file", metavar="FILE",
+                   help="the Redis password, first line of FILE (or KVSTORE_INDEX_REDIS_PASSWORD)")
+    p.add_argument("--capacity", metavar="SIZE", help="pool capacity per node, e.g. 4GiB")
+    p.add_argument("--secrets-dir", metavar="DIR",
+                   help="where the cluster token, data key and CA are kept or made (default: "
+                        "security.secrets_dir, else ~/.ray/kvstore)")
+    p.add_argument("--insecure", action="store_true",
+                   help="run a cluster without authentication, TLS and tenant checks "
+                        "(logged loudly; only for a network you trust completely)")
+    p.set_defaults(func=cmd_start)
+
+    p = sub.add_parser("stop", help="stop every kvstore actor and free the arenas")
+    _common(p)
+    p.set_defaults(func=cmd_stop)
+
+    # Operator views of the cache and the cluster (status, drain, ls, pin, unpin,
+    # invalidate) live in their own modules; they import nothing heavy until they run.
+    status_command.register(sub)
+    cache_commands.register(sub)
+    credential_commands.register(sub)
+
+    if with_workers:
+        try:  # torch-free: the jobs themselves are imported when one runs
+            from kvstore.workers.jobs import args as job_args
+        except ImportError:  # the workers package is optional for operators
+            pass
+        else:
+            job_args.register(sub)
+        try:
+            from kvstore.frontend import args as serve_args
+        except ImportError:  # the HTTP front end is optional too
+            pass
+        else:
+            serve_args.register(sub)
+    return parser
+
+
+def _fail(message: str) -> None:
+    # Plain print, not rich: rich wraps long lines, and the operator gets exactly one.
+    print(message if message.startswith("kvstore") else f"kvstore: {message}", file=sys.stderr)
+
+
+def exit_code(exc: BaseException) -> int:
+    """The documented exit code of an error's kind (the table in the module docstring)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return 130
+    if isinstance(exc, IndexBackendError):  # before NodeUnavailable: Redis, not the cluster
+        return 4
+    if isinstance(exc, ClusterConflict):
+        return 5
+    if isinstance(exc, NodeUnavailable):
+        return 3
+    if isinstance(exc, (ConfigError, ValueError)):
+        return 2
+    return 1
+
+
+def error_line(exc: BaseException) -> str:
+    """One line, colour codes and Ray's wrapping removed; unexpected errors keep their type."""
+    from kvstore.cluster.remote_errors import strip_ansi
+
+    text = " ".join(strip_ansi(str(exc)).split())
+    if not isinstance(exc, (KVStoreError, ValueError)):
+        text = f"{type(exc).__name__}: {text}"
+    return f"kvstore: error: {text}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvstore`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv  # anywhere: `kvstore start --debug` is what people type
+    argv = [a for a in argv if a != "--debug"]
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(with_workers=command not in OPERATOR_COMMANDS)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (Exception, KeyboardInterrupt) as raised:
+        exc: BaseException = raised
+        if type(exc).__module__.startswith("ray."):  # raised in an actor: the original error
+            from kvstore.cluster.remote_errors import unwrap
+
+            exc = unwrap(exc)
+        if debug:
+            import traceback
+
+            traceback.print_exception(raised)
+        _fail("interrupted" if isinstance(exc, KeyboardInterrupt) else error_line(exc))
+        return exit_code(exc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

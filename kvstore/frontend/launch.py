@@ -1,0 +1,213 @@
+"""``kvstore serve``: bring up the store (if needed) and the Serve application; run until Ctrl-C.
+
+On the embedded default (no cluster named, none recorded) it starts a private local Ray, the
+coordinator and a store node, as ``kvstore generate`` does, and takes them down again on exit.
+On a running kvstore cluster it deploys the application there and deletes only the application
+on exit. The model is checked in this process first, so a checkpoint the adapter cannot serve
+exactly fails here with its message, before any replica starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvstore.config import KVStoreConfig, ServeConfig
+from kvstore.config_loader import load_config
+from kvstore.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: The Serve application's name (``serve status`` shows it).
+APP_NAME = "kvstore"
+#: How long to wait for the HTTP endpoint to answer after deploying.
+READY_TIMEOUT_S = 300.0
+
+
+def make_config(args: argparse.Namespace) -> KVStoreConfig:
+    """Defaults < --config < KVSTORE_* < flags."""
+    worker = {"model": args.model, "seed": args.seed, "block_size": args.block_size,
+              "prefill_chunk_tokens": args.chunk_tokens, "num_threads": args.threads,
+              "device": args.device, "attn_implementation": args.attn_implementation,
+              "dtype": args.dtype, "gpus_per_replica": args.gpus_per_replica}
+    serve = {"host": args.host, "port": args.port, "model_name": args.model_name,
+             "prefill_replicas": args.prefill_replicas, "decode_replicas": args.decode_replicas}
+    config = load_config(args.config, overrides={"worker": worker, "serve": serve})
+    key_file = config.serve.api_key_file
+    if key_file and not config.serve.api_key:
+        try:
+            key = Path(key_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"serve.api_key_file {key_file}: {exc.strerror or exc}") from None
+        if len(key) < 8:
+            raise ConfigError(f"serve.api_key_file {key_file}: the key must be at least 8 "
+                              "characters")
+        config.serve.api_key = key
+    return config
+
+
+def model_card(config: KVStoreConfig) -> Any:
+    """The served model's name, context length and vocabulary, from its config only."""
+    from kvstore.frontend.protocol import ModelCard
+    from kvstore.workers.model.causal_lm import PRESETS
+
+    spec = config.worker.model
+    if spec in PRESETS:
+        shape = PRESETS[spec]
+        max_len, vocab, name = shape["max_position_embeddings"], shape["vocab_size"], spec
+    else:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(spec, local_files_only=True)
+        max_len, vocab = int(cfg.max_position_embeddings), int(cfg.vocab_size)
+        name = os.path.basename(os.path.normpath(spec))
+    return ModelCard(config.serve.model_name or name, max_len, vocab, int(time.time()))
+
+
+def initial_replicas(sc: ServeConfig, replicas: int) -> int:
+    """How many replicas of one kind the application starts with (autoscaling: in bounds)."""
+    return max(sc.min_replicas, min(replicas, sc.max_replicas)) if sc.autoscaling else replicas
+
+
+def build_app(config: KVStoreConfig, tokenizer_path: str | None,
+              gpus_per_replica: float = 0.0) -> Any:
+    """The Serve application: the HTTP front end bound to prefill and decode deployments.
+
+    ``gpus_per_replica`` (``kvstore.workers.replicas.placement``, resolved against the cluster) is
+    what each prefill and decode replica asks Ray for; the front end itself asks for none.
+    """
+    from kvstore.frontend.app import OpenAIServer
+    from kvstore.frontend.deployments import DecodeServer, PrefillServer
+    from kvstore.workers.model.causal_lm import generation_stop_ids
+
+    sc = config.serve
+
+    def scaled(replicas: int) -> dict[str, Any]:
+        opts: dict[str, Any] = {"max_ongoing_requests": sc.max_ongoing_requests,
+                                "max_queued_requests": sc.max_queued_requests,
+                                # The prefix's node first, then Serve's own choice.
+                                "request_router_config": {"request_router_class":
+                                                          "kvstore.frontend.routing."
+                                                          "PrefixAffinityRouter"},
+                                # Replaces the decorator's options, so num_cpus is repeated.
+                                "ray_actor_options": {"num_cpus": 0,
+                                                      "num_gpus": gpus_per_replica}}
+        if sc.autoscaling:
+            opts["autoscaling_config"] = {
+                "min_replicas": sc.min_replicas, "max_replicas": sc.max_replicas,
+                "initial_replicas": initial_replicas(sc, replicas),
+                "target_ongoing_requests": sc.target_ongoing_requests}
+        else:
+            opts["num_replicas"] = replicas
+        return opts
+
+    # Serve's decorator turns the classes into Deployments, which mypy cannot see.
+    prefill = PrefillServer.options(  # type: ignore[attr-defined]
+        **scaled(sc.prefill_replicas)).bind(config)
+    decode = DecodeServer.options(  # type: ignore[attr-defined]
+        **scaled(sc.decode_replicas)).bind(config)
+    eos = tuple(generation_stop_ids(config.worker.model))
+    return OpenAIServer.bind(  # type: ignore[attr-defined]
+        model_card(config), config, tokenizer_path, eos, prefill, decode)
+
+
+def check_model(config: KVStoreConfig, tokenizer_path: str | None) -> None:
+    """Load the tokenizer and (for a directory) the model here: refusals come out now."""
+    from kvstore.workers.model.causal_lm import PRESETS, load_worker_model
+    from kvstore.workers.model.tokenizer import tokenizer_for
+
+    tokenizer_for(config.worker.model, tokenizer_path)
+    if config.worker.model not in PRESETS:
+        # On the host's CPU: the check must not take GPU memory the replicas will want.
+        load_worker_model(dataclasses.replace(config.worker, device="cpu"), keep_threads=True)
+
+
+def _wait_ready(url: str, stop: threading.Event, gpus_per_replica: float = 0.0) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not stop.is_set():
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(f"{url}/health", timeout=15) as reply:
+                if reply.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            waiting = (f" (each replica asks Ray for {gpus_per_replica:g} GPU(s), and Ray "
+                       "waits while other actors hold them: `serve status` shows replicas "
+                       "pending; lower worker.gpus_per_replica or the replica counts)"
+                       if gpus_per_replica > 0 else "")
+            raise ConfigError(f"the server did not answer at {url}/health within "
+                              f"{READY_TIMEOUT_S:.0f}s{waiting}")
+        stop.wait(0.5)
+
+
+def _shutdown_serve_if_unused(serve: Any) -> None:
+    """On a shared cluster, stop Serve's proxy and controller when no application is left.
+
+    A running Serve keeps its HTTP options: left up, it would make the next ``kvstore serve
+    --port P`` listen on the old port instead (Serve only warns). Other users' applications
+    keep it running.
+    """
+    with contextlib.suppress(Exception):
+        if not serve.status().applications:
+            serve.shutdown()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    config = make_config(args)
+    check_model(config, args.tokenizer)
+    import ray
+    from ray import serve
+
+    from kvstore.cluster import lifecycle
+    from kvstore.cluster.names import coordinator_handle
+    from kvstore.errors import NodeUnavailable
+    from kvstore.workers.replicas.placement import replica_gpus
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    lifecycle.ensure_ray(args.address)
+    started_cluster = False
+    sc = config.serve
+    try:
+        # Decided before anything starts: too few GPUs in the cluster fail here, at once.
+        gpus = replica_gpus(config.worker, initial_replicas(sc, sc.prefill_replicas)
+                            + initial_replicas(sc, sc.decode_replicas))
+        try:
+            coordinator_handle()
+        except NodeUnavailable:  # nothing running: the embedded default
+            lifecycle.start(config)
+            started_cluster = True
+        serve.start(http_options={"host": sc.host, "port": sc.port})
+        serve.run(build_app(config, args.tokenizer, gpus), name=APP_NAME, route_prefix="/",
+                  blocking=False)
+        host = "127.0.0.1" if sc.host in ("0.0.0.0", "::") else sc.host
+        url = f"http://{host}:{sc.port}"
+        _wait_ready(url, stop, gpus)
+        if args.ready_file:
+            Path(args.ready_file).write_text(url + "\n")
+        print(f"kvstore serve: {model_card(config).name} at {url}/v1 "
+              f"({sc.prefill_replicas} prefill, {sc.decode_replicas} decode replicas"
+              f"{f', {gpus:g} GPU each' if gpus else ''}"
+              f"{', autoscaling' if sc.autoscaling else ''}"
+              f"{', API key required' if sc.api_key else ''}); Ctrl-C stops it",
+              file=sys.stderr, flush=True)
+        stop.wait()
+    finally:
+        with contextlib.suppress(Exception):
+            serve.delete(APP_NAME)
+        if started_cluster:  # Serve itself goes with the private Ray
+            lifecycle.stop(config)
+        else:
+            _shutdown_serve_if_unused(serve)
+        ray.shutdown()
+    return 0

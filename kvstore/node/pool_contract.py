@@ -1,0 +1,75 @@
+"""What a store node's pool hands out (locations, leases, reservations) and what the server and
+the bulk channel need of a pool (``ServedPool``), apart from ``BlockPool`` itself so that the
+node's other modules and the cluster's wrapper depend on the contract, not the allocator.
+
+The contract names one shared segment (``path``): the memory file same-node readers map. A
+lease's locations always lie in it, so a pool that keeps blocks in slower tiers as well (disk)
+brings a block into the segment before it leases it; readers and the bulk channel
+(``leased_bytes``) never learn which tier a block came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvstore.api import PoolStats
+
+
+@dataclass(slots=True)
+class BlockLocation:
+    """Where a leased block lies in the pool's shared segment, for same-node readers."""
+
+    key: bytes
+    offset: int
+    nbytes: int
+
+
+@dataclass(slots=True)
+class Lease:
+    """Blocks pinned for a reader until release or ``expires_at``; missing keys are absent."""
+
+    lease_id: int
+    locations: list[BlockLocation]
+    expires_at: float
+
+
+@dataclass(slots=True)
+class Reservation:
+    """Space for one block being written; the key is invisible until ``commit``."""
+
+    reservation_id: int
+    key: bytes
+    offset: int
+    nbytes: int
+    view: memoryview
+
+
+class ServedPool(Protocol):
+    """What a store node's server and bulk channel need of a pool.
+
+    ``BlockPool`` is one; the cluster's store node serves a wrapper that asks the coordinator
+    for room when a reserve finds the pool full, which the server need not know about.
+    """
+
+    path: str
+    capacity_bytes: int
+
+    def reserve(self, key: bytes, nbytes: int) -> Reservation: ...
+    def reserve_many(self, keys: Sequence[bytes], nbytes: int) -> list[Reservation | None]: ...
+    def commit(self, reservation: Reservation) -> bool: ...
+    def commit_many(self, reservations: Sequence[Reservation]) -> list[bool]: ...
+    def abort(self, reservation: Reservation) -> None: ...
+    def contains(self, key: bytes) -> bool: ...
+    def nbytes_of(self, key: bytes) -> int | None: ...
+    def read(self, key: bytes) -> AbstractContextManager[memoryview]: ...
+    def leased_bytes(self, offset: int, nbytes: int) -> memoryview: ...
+    def lease(self, keys: Sequence[bytes], ttl_s: float) -> Lease: ...
+    def renew(self, lease_id: int, ttl_s: float) -> bool: ...
+    def release(self, lease_id: int) -> None: ...
+    def delete(self, key: bytes) -> bool: ...
+    def evict(self, keys: Sequence[bytes]) -> int: ...
+    def keys(self) -> list[bytes]: ...
+    def stats(self) -> PoolStats: ...
