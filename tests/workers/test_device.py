@@ -12,7 +12,7 @@ import torch
 from kvstore.client.local_store import LocalStore
 from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError
-from kvstore.workers import attention, device
+from kvstore.workers.model import attention, device
 from kvstore.workers.engine.runner import Engine
 from kvstore.workers.model.causal_lm import load_model
 from kvstore.workers.model.device import (

@@ -154,7 +154,7 @@ def test_an_idle_publisher_thread_ends_and_the_next_submit_restarts_it(monkeypat
     """An engine nobody uses keeps no thread (and so no store) alive."""
     import time
 
-    from kvstore.workers import publish
+    from kvstore.workers.engine import background_publisher as publish
 
     monkeypatch.setattr(publish, "IDLE_EXIT_S", 0.05)
     store = LocalStore()
