@@ -2,9 +2,9 @@
 (``kvstore.config_loader``).
 
 Precedence: defaults < YAML file < environment. A YAML file has one mapping per component
-(``pool:``, ``server:``, ``client:``, ``index:``, ``coordinator:``, ``worker:``,
-``serve:``); the variable
-for a field is ``KVSTORE_<COMPONENT>_<FIELD>`` (``KVSTORE_POOL_CAPACITY_BYTES=4GiB``).
+(``pool:``, ``server:``, ``client:``, ``index:``, ``coordinator:``, ``worker:``, ``serve:``,
+``security:``); the variable for a field is ``KVSTORE_<COMPONENT>_<FIELD>``
+(``KVSTORE_POOL_CAPACITY_BYTES=4GiB``).
 Every dataclass validates itself in ``__post_init__`` with a message that names the setting
 and says what to change.
 """
