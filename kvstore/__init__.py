@@ -8,8 +8,10 @@ The public API, importable from the package top::
 ``connect`` returns a ``KVStore`` over the running cluster, ``LocalStore`` is the embedded
 in-process store, and ``Namespace``/``BlockHasher`` make the chained block keys. The names are
 loaded on first use (PEP 562), so ``import kvstore.errors`` does not start importing Ray.
-The layers below are the packages ``kvstore.node``, ``kvstore.index``, ``kvstore.coordinator``
-and ``kvstore.cluster``; docs/design.md §2 draws the map.
+The layers below, lowest first: the package top's modules with ``kvstore.security`` and
+``kvstore.ops``, then ``index``, ``node``, ``coordinator``, ``client``, ``cluster``, ``workers``,
+``frontend``, ``integrations`` and ``cli``; each imports only downwards (tests/test_layout.py)
+and docs/design.md §2 draws the map.
 """
 
 from __future__ import annotations

@@ -223,7 +223,7 @@ def encode_block_into(
     dst = payload_view(view, namespace)
     # A numpy copy, not torch's copy_: encoding runs on background threads (a worker's
     # publisher), and a parallel torch op there starts an OpenMP team of that thread whose
-    # spinning workers slowed the model's next forward by ~20% on a 2-core box.
+    # spinning workers steal cores from the model's next forward.
     np.copyto(dst.view(torch.uint8).numpy(),
               payload.detach().to("cpu").contiguous().view(torch.uint8).numpy().reshape(
                   dst.shape[:-1] + (-1,)))

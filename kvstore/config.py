@@ -2,9 +2,9 @@
 (``kvstore.config_loader``).
 
 Precedence: defaults < YAML file < environment. A YAML file has one mapping per component
-(``pool:``, ``server:``, ``client:``, ``index:``, ``coordinator:``, ``worker:``,
-``serve:``); the variable
-for a field is ``KVSTORE_<COMPONENT>_<FIELD>`` (``KVSTORE_POOL_CAPACITY_BYTES=4GiB``).
+(``pool:``, ``server:``, ``client:``, ``index:``, ``coordinator:``, ``worker:``, ``serve:``,
+``security:``); the variable for a field is ``KVSTORE_<COMPONENT>_<FIELD>``
+(``KVSTORE_POOL_CAPACITY_BYTES=4GiB``).
 Every dataclass validates itself in ``__post_init__`` with a message that names the setting
 and says what to change.
 """
@@ -196,9 +196,9 @@ class IndexConfig:
 class CoordinatorConfig:
     """Cluster LRU, watermarks, leases, pins and liveness."""
 
-    # Kept close to full: each point of capacity held back costs hit rate (at 0.90/0.80 a
-    # replayed trace got 0.88-0.92x an exact LRU of the whole pool); a full pool's Put evicts
-    # down to the low watermark synchronously, so the heartbeat's plan is only headroom.
+    # Kept close to full: each point of capacity held back costs hit rate against an exact
+    # LRU of the whole pool; a full pool's Put evicts down to the low watermark
+    # synchronously, so the heartbeat's plan is only headroom.
     high_watermark: float = 0.97
     low_watermark: float = 0.95
     lease_ttl_s: float = 30.0
@@ -235,7 +235,7 @@ class SecurityConfig:
     nobody outside can precompute a public prompt's keys) and every tenant's block MAC key (so
     a block verifies only if a holder of that tenant's key wrote it). It is not rotated with the
     auth token: blocks stay valid across `kvstore rotate-credentials`. Unset (the embedded
-    default on loopback): public roots and an xxh3 checksum, as before.
+    default on loopback): public roots and an xxh3 checksum.
     """
 
     insecure: bool = False  # run a cluster without auth and TLS on purpose (logged loudly)
@@ -254,7 +254,7 @@ class SecurityConfig:
 
 #: How a worker reuses cached blocks (``kvstore.workers.engine.reuse_policy``): ``exact`` (bitwise
 #: equal to ``--no-cache``, at block granularity where the probe allows), ``block`` (any block
-#: boundary, approximate where the probe fails), ``chunk`` (whole chunks only: the previous policy).
+#: boundary, approximate where the probe fails), ``chunk`` (whole chunks only).
 ReuseMode = Literal["exact", "block", "chunk"]
 PublishWhenFull = Literal["wait", "drop"]  # a full publish backlog: wait for room, or drop
 

@@ -53,7 +53,7 @@ class Namespace:
     #: The writer's arithmetic (device kind and capability, torch version, attention
     #: implementation; ``kvstore.workers.model.device.numerics_tag``): KV is bitwise reusable only
     #: by a worker computing exactly as its writer did. ``""``: shared across hardware on purpose
-    #: (``worker.numerics: portable``), or a namespace made before the tag existed.
+    #: (``worker.numerics: portable``), or a writer that sets no tag.
     numerics: str = ""
     # Secrets, never encoded, sent or shown (docs/security.md): at most one. ``data_key``, the
     # cluster's data secret (security.data_key), is what the cluster's own workers and nodes
@@ -102,7 +102,8 @@ class Namespace:
     def encode(self) -> bytes:
         """The canonical encoding: msgpack of the fields in the order docs/design.md §3.1 fixes;
         a numerics tag, when there is one, is appended as a ninth element (so a namespace
-        without one encodes, and roots, exactly as before the tag existed)."""
+        without one encodes as the eight fields alone, and its root does not depend on the
+        tag field existing)."""
         fields: list[object] = [
             self.schema_version,
             self.model_fingerprint,
@@ -139,7 +140,7 @@ class Namespace:
         return data_keys.TAG_NBYTES if self._secret is not None else data_keys.CHECKSUM_NBYTES
 
     def public(self) -> Namespace:
-        """The same fields without a key: the namespace as the code before keys computed it."""
+        """The same fields without a key: the unkeyed namespace (public sha256 root, xxh3)."""
         return Namespace(**self.to_dict())  # type: ignore[arg-type]
 
     @property

@@ -223,7 +223,7 @@ def test_encode_rejects_bad_input_with_a_reason():
         encode_block_into(bytes(block_nbytes(ns)), ns, key, ns.root, tokens, payload)
 
 
-# -- fuzz: the header decoder meets hostile bytes (issue 15 part 4) ---------------------------
+# -- fuzz: the header decoder meets hostile bytes ---------------------------------------------
 
 _INT = st.integers(min_value=-(2**63), max_value=2**64 - 1)  # what msgpack can carry
 _FIELD = st.one_of(st.none(), st.booleans(), _INT, st.floats(allow_nan=True),

@@ -142,7 +142,7 @@ def test_address_must_be_host_port_or_keyword(tmp_path: Path) -> None:
     assert "'local' (a private Ray instance)" in one_error_line(proc)
 
 
-#: The CLI with the up-front Redis check switched off, so a bad Redis URL fails where it used to:
+#: The CLI with the up-front Redis check switched off, so a bad Redis URL fails later:
 #: inside the coordinator actor, after `kvstore start` has started a Ray head of its own.
 _NO_PRECHECK = ("import sys; from kvstore.cluster import lifecycle; "
                 "lifecycle.check_index = lambda config: None; "

@@ -1,4 +1,4 @@
-"""No poisoning at the block level (issue 15 part 3, kvstore.security.data_keys): in a keyed
+"""No poisoning at the block level (kvstore.security.data_keys): in a keyed
 namespace a block is accepted only with the MAC its tenant's key gives, by every verifier a
 reader or a node runs (one block, a batch, a same-node copy, a small same-node batch).
 

@@ -1,12 +1,10 @@
 """The read path's byte work over a few threads: copy and verify the blocks of one batch at once.
 
 Why threads work here: numpy copies and python-xxhash release the GIL over large buffers, so W
-threads copy and hash W blocks at once. One thread caps a read well below what the bytes
-allow: on the 2-core dev box one thread copies and hashes 2 MiB blocks at ~10 GB/s against
-~13 GB/s for a bare memcpy, and on a GPU host single-threaded xxh3 (~8 GB/s) would cap a
-55 GB/s DMA (python-xxhash over 2 MiB blocks, 1/2/4/8/16 threads: 8.4/16.1/27.1/40.1/52.5
-GB/s). The AES-GMAC of keyed namespaces (``cryptography``) holds the GIL, so MAC checks do not
-scale this way: they stay at one core's ~20 GB/s whatever the thread count.
+threads copy and hash W blocks at once. One thread caps a read well below what memory and a
+GPU's DMA allow; xxh3 scales with threads up to near memory bandwidth. The AES-GMAC of keyed
+namespaces (``cryptography``) holds the GIL, so MAC checks do not scale this way: they stay at
+one core's speed whatever the thread count.
 
 One pool per process, sized from ``os.cpu_count()`` and bounded: readers are many (a store per
 worker, a client per node), cores are not. The caller takes items too and waits only for items
@@ -29,13 +27,13 @@ from kvstore.keys import Namespace
 
 T = TypeVar("T")
 
-#: At most this many threads (the caller included) work on one batch: xxh3 stops scaling
-#: near memory bandwidth (52.5 GB/s at 16 threads above).
+#: At most this many threads (the caller included) work on one batch: by then xxh3 runs near
+#: memory bandwidth and more threads stop helping.
 MAX_THREADS = 16
-#: A thread is worth its handoff only for this many bytes of a batch (~0.1 ms of copying).
+#: A thread is worth its handoff only for this many bytes of a batch.
 MIN_BYTES_PER_THREAD = 1 << 20
-#: Nor for items smaller than this: a 64 KiB block's check is ~8 us of Python (GIL held) and
-#: ~1 us of hashing, so more threads only contend for the GIL.
+#: Nor for items smaller than this: a small block's check is mostly Python (GIL held), not
+#: hashing, so more threads only contend for the GIL.
 MIN_BYTES_PER_ITEM = 256 << 10
 
 _pool: ThreadPoolExecutor | None = None

@@ -49,8 +49,8 @@ log = logging.getLogger(__name__)
 _REGISTER_ATTEMPTS = 60
 #: The fill past which a Put wakes the evictor. Near full, not at the high watermark: the
 #: round frees down to the low watermark either way, and a pool that runs fuller hits more
-#: (at 0.97 a trace replay's hit rate fell from ~0.99x to 0.95x an exact LRU); the last 1%
-#: is seconds of Puts at most, enough for a round (tens of ms) to land first.
+#: (closer to an exact LRU of the whole pool); the last 1% takes many Puts to fill, enough
+#: for an eviction round to land first.
 _EVICT_AHEAD_FILL = 0.99
 #: Eviction plans one make-room asks for while the pool refuses every key (all leased).
 _ROOM_REQUESTS = 3
@@ -80,8 +80,8 @@ class StoreNode:
         self._redis = make_index(config.index) if config.index.backend == "redis" else None
         self._evicting = EvictingPool(self.pool, self._make_room)
         # A Put that leaves the pool above the high watermark wakes the evictor thread, which
-        # asks for the plan down to the low watermark and evicts it off the Put path: at tens
-        # of MB/s of Puts the heartbeat (every second) is too late, and a Put that finds the
+        # asks for the plan down to the low watermark and evicts it off the Put path: under a
+        # steady stream of Puts the heartbeat (every second) is too late, and a Put that finds the
         # pool full waits for a whole eviction round (plan + evict + tell the index).
         self._ahead_bytes = int(max(_EVICT_AHEAD_FILL, config.coordinator.high_watermark)
                                 * self.pool.capacity_bytes)

@@ -1,12 +1,12 @@
 """The coordinator's index on the data path over gRPC: lookups and publishes without Ray.
 
 A request makes one index lookup (the reader) and one publish (its store node, before the Put
-returns), both answered by the coordinator. As Ray actor calls each costs 0.7-1.1 ms on a
-2-core box (Ray's task path: the caller's core worker, the actor's, their scheduling); the
-same call over a gRPC channel is 0.15-0.3 ms, and the core's own work is ~0.05 ms for a
-lookup and ~0.3 ms for a 210-entry publish. So the coordinator actor also serves these three
-calls on a small gRPC server (``IndexServer``), and readers and store nodes use it
-(``IndexClient``) when the actor hands them its address (``Coordinator.index_address``).
+returns), both answered by the coordinator. A Ray actor call goes through Ray's task path
+(the caller's core worker, the actor's, their scheduling) and costs several times what the
+same call over a gRPC channel does, and more than the core's own work. So the coordinator
+actor also serves these three calls on a small gRPC server (``IndexServer``), and readers and
+store nodes use it (``IndexClient``) when the actor hands them its address
+(``Coordinator.index_address``).
 
 It is a second door to the same ``CoordinatorCore``, not a copy: the actor is threaded and the
 core locked, so an answer is the one the actor call would give, and "Put returns once every

@@ -1,9 +1,9 @@
 """The cluster LRU: a compact table of every indexed block (its planner is ``planner.py``).
 
-The coordinator tracks every block in the cluster, so a Python object per block (a dict of
-32-byte keys alone costs ~205 B per entry) would not scale. Instead every fixed-width field lives
+The coordinator tracks every block in the cluster, so a Python object per block (even a dict
+entry per 32-byte key) would not scale. Instead every fixed-width field lives
 in one numpy array indexed by a *slot*, and keys map to slots through an open-addressing table
-of int32 (``probe.SlotHash``: linear probing, tombstones) probed for a whole batch at once:
+of int32 (``slot_table.SlotHash``: linear probing, tombstones) probed for a whole batch at once:
 
     table[hash & mask] -> slot       keys[slot]     32 B  the block key (sha256, so its first
                                                           8 bytes are already a good hash)
@@ -135,7 +135,7 @@ class LRUTable:
         return (sum(a.nbytes for a in arrays) + self._free.itemsize * len(self._free)
                 + self.sets.nbytes())
 
-    # -- the hash table (``probe.SlotHash``) -----------------------------------------------
+    # -- the hash table (``slot_table.SlotHash``) ------------------------------------------
 
     def _rehash(self, table_size: int) -> None:
         self._hash = SlotHash(table_size)

@@ -1,15 +1,14 @@
 """The embedded index as one compact table: ``Index`` answered from the coordinator's LRUTable.
 
-In memory mode the coordinator used to keep every block twice, in its LRU table (~110 B) and
-in an ``InMemoryIndex`` of dicts and sets (~470 B). Here the table *is* the index: holders are
-its holder sets (node ids map to node slots in a registry of up to ``MAX_NODES``), size,
-parent, namespace root and last use are its columns, so each block costs one table row and no
-Python object at all.
+In memory mode the table *is* the index, so the coordinator keeps every block once, not in
+its LRU table and again in an ``InMemoryIndex`` of dicts and sets: holders are its holder sets
+(node ids map to node slots in a registry of up to ``MAX_NODES``), size, parent, namespace
+root and last use are its columns, so each block costs one table row and no Python object.
 
-Node slots ("bits", from when holders were one 64-bit mask): a node keeps its slot from its
-first publish (or ``claim_node``) until ``drop_node``, so the coordinator can use it as its
-node slot; the lowest free slot is taken first, and a slot whose node holds nothing and was
-never claimed is recycled when all ``max_nodes`` are taken.
+Node slots (``_bits`` and ``bit`` in the code: a slot number, not a bit position): a node
+keeps its slot from its first publish (or ``claim_node``) until ``drop_node``, so the
+coordinator can use it as its node slot; the lowest free slot is taken first, and a slot
+whose node holds nothing and was never claimed is recycled when all ``max_nodes`` are taken.
 
 Keys are 32 bytes (sha256 block keys): other lengths are rejected with a ``KVStoreError``
 instead of being silently never found.

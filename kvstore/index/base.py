@@ -4,7 +4,7 @@ Metadata only, never bytes (as Mooncake's master): store nodes hold the blocks, 
 where they are. Three backends keep the same contract: ``kvstore.index.memory.InMemoryIndex``
 (dicts, one process, no server: for tests and in-process users),
 ``kvstore.coordinator.table_index.TableIndex`` (the compact table the coordinator uses in memory
-mode: ~150 B per block instead of ~470 B, and the LRU table itself) and
+mode: one numpy row per block, no Python object, and the LRU table itself) and
 ``kvstore.index.redis.RedisIndex`` (shared by a cluster; a longest-prefix lookup is one round
 trip). ``kvstore.index.factory.make_index`` picks dicts or Redis from ``IndexConfig``; the
 coordinator builds its ``TableIndex`` itself, since it shares the table with its LRU.

@@ -1,11 +1,11 @@
 """A batch of index entries that pickles as a few byte strings, for publishes over Ray.
 
 A store node publishes each Put's entries to the coordinator with a Ray actor call, which
-pickles its arguments. A list of 210 ``IndexEntry`` dataclasses pickled object by object was
-half of a store node's Put time (profiled: ``Pickler.dump`` under ``StoreNode._on_publish``).
-``PackedEntries`` wraps the list on the sender; pickling it writes the keys, parent keys and
-sizes as three byte strings (roots and node ids once each), and unpickling gives the receiver a
-plain ``list[IndexEntry]``, so the coordinator's code sees exactly what it saw before.
+pickles its arguments, and a list of ``IndexEntry`` dataclasses pickled object by object costs
+a large share of a Put. ``PackedEntries`` wraps the list on the sender; pickling it writes the
+keys, parent keys and sizes as three byte strings (roots and node ids once each), and
+unpickling gives the receiver a plain ``list[IndexEntry]``, so the coordinator's code is the
+same whether or not the entries were packed.
 """
 
 from __future__ import annotations

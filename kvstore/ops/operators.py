@@ -13,15 +13,13 @@ to other layers and are simply never indexed. Otherwise the operators fall back 
 indexing, which handles any strides. A load of whole blocks (ND, every length a multiple of
 ``block_size``, no starts: the usual one) needs neither: it selects blocks, along dim 0.
 
-Every violated constraint is a ``ValueError`` naming the argument and the bad value. The
-checks and the index are computed where the metadata lives (kvstore.ops.row_index): metadata on
-the host, the usual case, is checked with vectorised numpy and the finished index reaches the
-cache's device in one non-blocking copy, so a call never waits for the device. Metadata on the
-device is read back once to be checked; ``check=False`` (for callers that checked it
-themselves) skips those checks and builds the index there without a sync, save the output
-size of ``paged_cache_load`` when no ``out`` gives it and a ``layer_id`` tensor's value.
-Host metadata is always checked: that costs no sync. Unchecked bad values are undefined
-behaviour (an index error, or a device-side assert on CUDA).
+Every violated constraint is a ``ValueError`` naming the argument and the bad value. Checks
+and index are built where the metadata lives (``kvstore.ops.row_index``): host metadata, the
+usual case, is always checked and never waits for the device. Device metadata is read back
+once to be checked, unless ``check=False`` (for callers that checked it themselves) builds the
+index there without a sync, save the output size of ``paged_cache_load`` when no ``out`` gives
+it and a ``layer_id`` tensor's value. Unchecked bad values are undefined behaviour (an index
+error, or a device-side assert on CUDA).
 """
 
 from __future__ import annotations

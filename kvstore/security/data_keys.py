@@ -1,11 +1,8 @@
 """Per-tenant data secrets: keyed namespace roots and the block MAC (docs/design.md §3.1, §3.2).
 
-Why. Without a secret a namespace root is ``sha256`` of public fields and a block's integrity
-tag is an xxh3 checksum anyone can compute, so anybody who can Put may plant KV under the keys
-of a public system prompt, and a victim then gets a "verified" hit with the attacker's KV. With
-the cluster's data secret (``security.data_key``) both become keyed:
-
-::
+Without a secret a root is ``sha256`` of public fields and a block's tag an xxh3 checksum
+anyone can compute, so anybody who can Put could plant KV under a public prompt's keys. With
+the cluster's data key (``security.data_key``) both are keyed::
 
     data_key (cluster secret, >= 16 bytes)
       -> tenant_key = HMAC-SHA256(data_key, "kvstore tenant key v1" 0x00 tenant)
@@ -16,41 +13,19 @@ the cluster's data secret (``security.data_key``) both become keyed:
                 block_key = HMAC-SHA256(mac_key, root || key)       (one key per block)
                 tag       = AES-256-GMAC(block_key, nonce = 12 zero bytes, payload)  16 bytes
 
-HMAC-SHA256 is a PRF, so one tenant's key says nothing about another's or about the data key.
-The tag sits in the header's checksum field (16 bytes instead of xxh3's 8). It binds the block
-key (a tag cannot be moved to another block: another key is another AES key) and through the
-root the namespace; the parent key and tokens chain to the key by sha256, and the layout fields
-are compared with the reader's, so the whole block is covered. A per-block key, never reused
-for another block key, keeps GMAC's nonce rule: the only way to get two tags under one GMAC
-key is two different payloads for the same block key, which only a writer of that tenant can
-produce, and then it could forge that block anyway.
+Guarantees: HMAC-SHA256 is a PRF, so one tenant's key reveals nothing about another's or the
+data key. The tag (the header's checksum field, 16 bytes instead of xxh3's 8) binds the block
+key and, through the root, the namespace; parent key and tokens chain to the key and layout
+fields are compared by the reader, so the whole block is covered. A GMAC key is never reused
+across block keys, so the fixed nonce is safe: two tags under one key need two payloads for
+one block key, which only a writer of that tenant can make. AES-GMAC is the fastest real MAC
+``cryptography`` offers; the per-block key derivation dominates on small blocks.
 
-Which MAC, measured on this project's 2-core AMD EPYC (AES-NI, PCLMUL, SHA-NI), one block,
-best of 5 (``cryptography`` 48 over OpenSSL, ``xxhash`` 4.1; MB/s = 1e6 bytes/s)::
-
-    payload                 2.7 KiB        64 KiB          384 KiB         2 MiB
-    xxh3-64 (no key)        24 GB/s 0.1us  61 GB/s  1.1us  64 GB/s   6us   60 GB/s   35us
-    AES-GMAC, block key      0.8     3.6   10.3     6.4    19.2     20     21.7      97   <- used
-    Poly1305, block key      0.6     4.6    6.9     9.5    11.2     35     12.0     175
-    HMAC-SHA256              0.9     3.1    1.7      38     1.8    218      1.8    1184
-    keyed BLAKE2b-128        0.8     3.5    0.9      70     0.9    415      0.9    2372
-
-AES-GMAC (GCM with no plaintext, NIST SP 800-38D) is the fastest real MAC here; Poly1305 is
-half as fast, HMAC-SHA256 and BLAKE2b 10-20x slower. Whole verifies, xxh3 -> keyed:
-``verify_block`` of a 2 MiB block 45 -> 113 us (47 -> 19 GB/s, far above the network), of a
-64 KiB block 8 -> 15 us; ``verify_blocks`` on a batch of 2 KiB blocks 1.4 -> 5.6 us a block
-and ``encode_blocks_into`` 3.8 -> 8.1 us a block: on small blocks the per-block key (one
-HMAC, ~1.6 us, and an AES key schedule) dominates, the price of never reusing a GMAC key.
-
-Trust model (docs/security.md). Trusted: the holders of the data key: the ``kvstore start``
-operator, store nodes, the coordinator and the workers the cluster starts (they serve every
-tenant). A tenant's key is handed to that tenant's own clients (``kvstore credentials
-issue``); it lets them compute their namespace's roots and tags, nothing about other tenants.
-The MAC is symmetric: whoever verifies a tenant's blocks could also tag them, so the key tells
-"written by a holder of this tenant's key" apart from "written by anyone else"; *who* among
-the holders may write is the node's grant check on Put (docs/security.md §Tenants). Without a
-data key (the embedded single-machine default on loopback) roots are public sha256 and the tag
-is xxh3: integrity against faults, not against writers.
+Trust: the data key's holders (the operator, store nodes, coordinator, cluster-started workers)
+serve every tenant; a tenant's clients get only their tenant key (``kvstore credentials
+issue``). The MAC is symmetric, so it tells "written by a holder of this tenant's key" from
+"anyone else"; which holder may write is the node's grant check on Put (docs/security.md).
+Without a data key roots are public sha256 and the tag xxh3: integrity against faults only.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ def test_redis_url_difference_is_shown_masked(ray_local: None) -> None:
 
 
 def test_failed_start_undoes_everything(ray_local: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Skip the up-front Redis check, so the failure happens where it used to: in the actor.
+    # Skip the up-front Redis check, so the failure happens later: in the actor.
     monkeypatch.setattr(lifecycle, "check_index", lambda config: None)
     url = f"redis://:hidden-pw@127.0.0.1:{free_port()}/0"  # nobody listens there
     with pytest.raises(Exception) as err:
@@ -106,7 +106,7 @@ def test_actor_errors_unwrap_to_the_original(ray_local: None, exc: KVStoreError)
     in_init = Raiser.remote(exc)  # type: ignore[attr-defined]
     with pytest.raises(ray.exceptions.RayActorError) as died:
         ray.get(in_init.fail.remote(exc))
-    assert "\x1b[" in str(died.value)  # what operators used to see
+    assert "\x1b[" in str(died.value)  # what operators would see without unwrap
     got = unwrap(died.value)
     assert type(got) is type(exc) and str(got) == str(exc)
     line = error_line(got)

@@ -17,7 +17,7 @@ from kvstore.coordinator.planner import plan_evictions
 
 def reference_plan_evictions(table: LRUTable, node: int, nbytes_to_free: int,
                              exclude: Sequence[bytes] = ()) -> list[bytes]:
-    """The planner as it was before the prefix pass (kept verbatim as the reference)."""
+    """The planner without the prefix pass (one heap over every held block): the reference."""
     if nbytes_to_free <= 0:
         return []
     held = table._slots_of(node)

@@ -22,7 +22,7 @@ class BytesKey(bytes):
 
 
 def slow_check(entries: list[Any]) -> None:
-    """The reference: every entry checked one by one, as before the fast path existed."""
+    """The reference: every entry checked one by one, without the fast path."""
     for e in entries:
         if not isinstance(e, IndexEntry):
             raise TypeError("not an entry")

@@ -1,4 +1,5 @@
-"""The attack table of issue 15, row by row, against a cluster started the documented way.
+"""Twelve attacks, one numbered row each (Row 1 .. Row 12 in the tests' docstrings), against a
+cluster started the documented way.
 
 The cluster is the session's namespace cluster (Ray with token auth on h0..h2, Redis and
 ``kvstore start`` on h0: secure by default, its secrets made by ``kvstore start`` itself). The
@@ -273,8 +274,8 @@ def test_bulk_connection_flood_is_capped(scene: Scene) -> None:
                                  scene.a_ns)
     finally:
         result = flood.finish(timeout=120)
-    # Once the attacker is gone the node gives its threads back (the issue's flood left 670 MiB
-    # and its threads behind): every connection thread ends by the header deadline.
+    # Once the attacker is gone the node gives its threads and memory back: every connection
+    # thread ends by the header deadline.
     freed = wait_until(lambda: usage(scene.holder.pid),
                         lambda u: u.threads <= before.threads + 4,
                         timeout=DEFAULTS.bulk_header_timeout_s + 20)

@@ -1,7 +1,7 @@
-"""The planting attack of issue 15, end to end through the real engine (tiny preset).
+"""The planting attack, end to end through the real engine (tiny preset).
 
 An attacker who can Put computes the keys of a public system prompt under the default (empty)
-salt, as anyone could before namespaces were keyed, and publishes fake KV under them first. A
+salt, as anyone can in an unkeyed namespace, and publishes fake KV under them first. A
 victim whose engine has no data key (the control) gets a verified hit with that KV and its
 output changes: the attack is real here. With the cluster's data key the victim's keys are
 keyed, so it misses the planted blocks; and when the attacker somehow has the victim's exact

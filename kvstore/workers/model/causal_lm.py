@@ -235,9 +235,9 @@ def _random_model(preset: str, seed: int, dtype: torch.dtype, device: torch.devi
                   ) -> torch.nn.Module:
     """A preset with random weights from ``seed``, built where it will run.
 
-    On the CPU it is built in float32 and cast (the weights every CPU test was written
-    against); elsewhere it is built directly on the device in its dtype: an 8B model then takes
-    well under a second instead of minutes of CPU initialisation and a host-to-device copy.
+    On the CPU it is built in float32 and cast (the weights the CPU tests pin); elsewhere it
+    is built directly on the device in its dtype, so a large preset skips CPU initialisation
+    and a host-to-device copy.
     """
     config = LlamaConfig(**PRESETS[preset])
     # A forked RNG: loading a model must not disturb the caller's random stream.

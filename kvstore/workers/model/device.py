@@ -16,8 +16,8 @@ The numerics tag names the arithmetic a block's KV was computed with: device kin
 capability and SM count, torch version, the GPU math libraries and precision switches, and the
 attention kernel. It is part of the namespace by default, so a block is only ever served to a
 worker that would have computed exactly its bytes; that is what keeps a cache hit bitwise
-equal to a recomputation across a mixed fleet (an H100 SXM and an H200 with one software stack
-share one tag, and compute identical KV).
+equal to a recomputation across a mixed fleet (GPUs of one architecture and SM count with one
+software stack share one tag: ``device_kind``).
 ``worker.numerics: portable`` drops the tag on purpose: blocks are then shared across hardware,
 torch builds and attention implementations, and outputs are numerically close, not bitwise.
 """

@@ -2,8 +2,8 @@
 
 The namespace names a model by a digest of its config and of every weight's bytes, so two
 workers share blocks only when they run the same weights. Hashing the bytes on the host with
-sha256 was measured at 21 s for the 16 GB of an 8B model on a GPU box (every byte copied to the
-host first), so the weights part is a checksum that runs on the weights' own device:
+sha256 would copy every byte to the host and hash gigabytes on one core at each model load, so
+the weights part is a checksum that runs on the weights' own device:
 
     each tensor's bytes as int16 words w, in rows of ``ROW`` words (the last row zero-padded)
     row sum = sum_i w[i] * m[i]        m: a fixed pseudo-random vector of ints in [1, 2^15)
