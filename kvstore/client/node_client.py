@@ -32,15 +32,12 @@ from kvstore.errors import (
     Overloaded,
 )
 from kvstore.keys import Namespace
+from kvstore.node.auth import AUTH_HEADER
 from kvstore.node.block_pool import BlockLocation
+from kvstore.node.grpc_setup import open_channel
+from kvstore.node.grpc_status import error_from_rpc
+from kvstore.node.proto_forms import spec_from_namespace, tally_to_proto
 from kvstore.node.put_wire import BATCH_BYTES, UNARY_PUT_BYTES, encode_put_batch, put_messages
-from kvstore.node.wire import (
-    AUTH_HEADER,
-    error_from_rpc,
-    open_channel,
-    spec_from_namespace,
-    tally_to_proto,
-)
 from kvstore.protos import kvstore_pb2 as pb
 from kvstore.protos import kvstore_pb2_grpc as pb_grpc
 from kvstore.reader_metrics import ReaderTally

@@ -83,7 +83,7 @@ from kvstore.node.bulk_frames import (
     set_recv_timeout,
     status_frame,
 )
-from kvstore.node.wire import namespace_from_spec
+from kvstore.node.proto_forms import namespace_from_spec
 from kvstore.protos import kvstore_pb2 as pb
 from kvstore.security.grants import Authenticator, Grant
 from kvstore.security.tls import server_ssl_context

@@ -42,8 +42,9 @@ from kvstore.errors import (
 )
 from kvstore.index.base import IndexEntry
 from kvstore.keys import Namespace
+from kvstore.node.grpc_status import status_for
 from kvstore.node.limits import Watch
-from kvstore.node.wire import namespace_from_spec, status_for
+from kvstore.node.proto_forms import namespace_from_spec
 from kvstore.protos import kvstore_pb2 as pb
 from kvstore.security.grants import Grant
 
