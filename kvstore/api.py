@@ -71,6 +71,18 @@ class PrefixHit:
     num_blocks: int
     holders: list[list[str]] = field(default_factory=list)
 
+    def blocks_per_node(self) -> dict[str, int]:
+        """Per node: how many blocks of the cached prefix it holds (the routers' affinity).
+
+        Only the first ``num_blocks`` entries of ``holders`` count, and a node listed twice for
+        one block counts once, so no node's count exceeds ``num_blocks``.
+        """
+        counts: dict[str, int] = {}
+        for nodes in self.holders[:self.num_blocks]:
+            for node in set(nodes):
+                counts[node] = counts.get(node, 0) + 1
+        return counts
+
 
 @dataclass(slots=True)
 class PoolStats:

@@ -10,7 +10,7 @@ import pytest
 
 from kvstore import metrics, reader_metrics
 from kvstore.api import MISS_CORRUPTED, MISS_NOT_FOUND, PoolStats
-from kvstore.node.wire import tally_from_proto, tally_to_proto
+from kvstore.node.proto_forms import tally_from_proto, tally_to_proto
 from kvstore.reader_metrics import ReaderTally
 
 

@@ -28,7 +28,7 @@ from kvstore.node.bulk_frames import (
     send_all,
     set_kernel_timeouts,
 )
-from kvstore.node.wire import spec_from_namespace
+from kvstore.node.proto_forms import spec_from_namespace
 
 _MAX_AHEAD_BYTES = 64 << 10  # requests in flight must fit the peer's socket buffer
 

@@ -44,7 +44,7 @@ _READ_ONLY_REGISTER_ATTRIBUTE = 113
 
 
 def target_device(device: torch.device | str | None) -> torch.device | None:
-    """The device payloads go to (None: the CPU rows of today's ``batch_get``); a bare
+    """The device payloads go to (None: CPU rows, as ``batch_get`` returns without a device); a bare
     ``"cuda"`` means the current CUDA device, so every row lands on one device."""
     if device is None:
         return None

@@ -32,15 +32,12 @@ from kvstore.errors import (
     Overloaded,
 )
 from kvstore.keys import Namespace
+from kvstore.node.auth import AUTH_HEADER
 from kvstore.node.block_pool import BlockLocation
+from kvstore.node.grpc_setup import open_channel
+from kvstore.node.grpc_status import error_from_rpc
+from kvstore.node.proto_forms import spec_from_namespace, tally_to_proto
 from kvstore.node.put_wire import BATCH_BYTES, UNARY_PUT_BYTES, encode_put_batch, put_messages
-from kvstore.node.wire import (
-    AUTH_HEADER,
-    error_from_rpc,
-    open_channel,
-    spec_from_namespace,
-    tally_to_proto,
-)
 from kvstore.protos import kvstore_pb2 as pb
 from kvstore.protos import kvstore_pb2_grpc as pb_grpc
 from kvstore.reader_metrics import ReaderTally
@@ -129,8 +126,8 @@ class StoreNodeClient:
         """Store encoded ``(key, block)`` pairs in one call; returns once they're visible.
 
         Runs of equal-sized blocks that fit travel as batch messages (``PutChunk.keys``, up to
-        ``BATCH_BYTES`` each): one message per 2 KiB block cost more in gRPC's per-message
-        work on both ends than the bytes themselves. Larger blocks are chunked as before.
+        ``BATCH_BYTES`` each), since a message per small block costs more in gRPC's per-message
+        work on both ends than its bytes. A block larger than a batch travels in chunks.
         """
         spec = spec_from_namespace(namespace)
         views = [(bytes(key), memoryview(buf).cast("B")) for key, buf in blocks]
@@ -344,7 +341,8 @@ class StoreNodeClient:
 
         def keep_alive() -> None:
             # Renew inline, between blocks, once a third of the TTL has gone: a block copies
-            # in milliseconds, and a renewal thread per fetch would cost more than it saves.
+            # in a small part of a TTL, and a renewal thread per fetch would cost more than it
+            # saves.
             # Blocks copy on several threads: one of them renews, the others see it done.
             if time.monotonic() - granted[0] <= self.lease_ttl_s / 3:
                 return
@@ -404,10 +402,10 @@ class StoreNodeClient:
         """End a lease without waiting: the bytes are already copied, and a release that fails
         costs nothing but the lease running to its TTL.
 
-        The release rides on this reader's next ``lease`` (one call fewer per read: a call
-        costs ~0.4 ms of CPU between the two processes); a reader that reads nothing more
-        within ``RELEASE_DELAY_S`` has it sent by one long-lived thread (a gRPC future per
-        release measured ~0.5 ms each, a blocking release ~0.7 ms of the reader's time).
+        The release rides on this reader's next ``lease``, one call fewer per read; a reader
+        that reads nothing more within ``RELEASE_DELAY_S`` has it sent by one long-lived
+        thread, which costs the reader less than a gRPC future or a blocking call per
+        release.
         """
         self._releases.add(lease_id)
 

@@ -31,10 +31,9 @@ from kvstore.keys import Namespace
 from kvstore.node.block_pool import BlockLocation
 
 # Copy, then hash the copy, in pieces that stay in the last-level cache, so the hash reads
-# cache-hot bytes. Not smaller: out of the arena mapping (4 KiB tmpfs pages) copies under 1 MiB
-# ran at ~7 GB/s on the dev box against ~14 GB/s for 1 MiB and up (glibc copies with
-# `rep movsb` below its 1 MiB rep_movsb_stop_threshold, slow here; above it, vector loads), so
-# the 512 KiB pieces used before halved a same-node read. A 2 MiB block is one piece.
+# cache-hot bytes. Not under 1 MiB: below glibc's rep_movsb_stop_threshold (1 MiB) memcpy uses
+# `rep movsb`, which is slow out of the arena mapping (4 KiB tmpfs pages); above it, vector
+# loads. A 2 MiB block is one piece.
 _CHUNK = 4 << 20
 
 
@@ -97,7 +96,7 @@ class ShmReader:
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """A read-only view of ``[offset, offset + nbytes)``: valid only under a lease on every
-        block in it (the bulk server sends from it: one copy into the socket, no sendfile)."""
+        block in it (a device read verifies the leased bytes through it, without a copy)."""
         return memoryview(self._src(BlockLocation(b"", offset, nbytes)))  # type: ignore[arg-type]
 
     def tensor(self, offset: int, nbytes: int) -> torch.Tensor:
@@ -225,8 +224,8 @@ class ShmReader:
 
 
 #: Blocks up to this size are fetched from a same-node arena a batch at a time: copied out,
-#: then verified in array passes (``verify_blocks``). Per block the one-pass copy-and-hash
-#: costs ~15 us of Python for a 2.7 KiB block, more than its bytes; past this size the bytes
+#: then verified in array passes (``verify_blocks``). The one-pass copy-and-hash pays a fixed
+#: Python cost per block that outweighs a small block's bytes; past this size the bytes
 #: dominate and copying while hashing keeps each piece cache-hot.
 SMALL_BLOCK_BYTES = 256 << 10
 #: Bytes gathered between two looks at the lease's age.

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvstore.config import KVStoreConfig
-from kvstore.node.wire import bind_node_ip
+from kvstore.node.grpc_setup import bind_node_ip
 from kvstore.security.ca import CertificateAuthority, issue_server_cert
 from kvstore.security.secrets_store import ClusterSecrets, SecretsStore
 

@@ -58,7 +58,7 @@ from kvstore.cluster.names import (
 from kvstore.cluster.rotation import apply_overlay, clear_overlay
 from kvstore.config import KVStoreConfig
 from kvstore.errors import ClusterConflict, ClusterUnavailable
-from kvstore.node.wire import LOCAL_HOSTS
+from kvstore.node.grpc_setup import LOCAL_HOSTS
 
 #: How long start() waits for every store node to register before giving up.
 START_TIMEOUT_S = 60.0

@@ -40,8 +40,8 @@ from kvstore.index.base import IndexEntry
 from kvstore.index.factory import make_index
 from kvstore.index.packed import PackedEntries
 from kvstore.node.block_pool import BlockPool
+from kvstore.node.grpc_setup import bind_node_ip
 from kvstore.node.store_server import StoreServer
-from kvstore.node.wire import bind_node_ip
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from kvstore.coordinator.messages import HeartbeatReply
 from kvstore.coordinator.worker_reports import WorkerTable
 from kvstore.gc_tuning import freeze_startup_objects
 from kvstore.index.base import IndexEntry
-from kvstore.node.wire import bind_node_ip
+from kvstore.node.grpc_setup import bind_node_ip
 
 
 class Coordinator:

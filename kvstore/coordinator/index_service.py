@@ -34,8 +34,9 @@ from kvstore.constants import KEY_NBYTES
 from kvstore.errors import KVStoreError, PermissionDenied, Unauthenticated
 from kvstore.index.base import IndexEntry
 from kvstore.index.packed import unpack_entries
-from kvstore.node.auth import AuthGate
-from kvstore.node.wire import AUTH_HEADER, error_from_rpc, open_channel, start_grpc_server
+from kvstore.node.auth import AUTH_HEADER, AuthGate
+from kvstore.node.grpc_setup import open_channel, start_grpc_server
+from kvstore.node.grpc_status import error_from_rpc
 from kvstore.protos import kvstore_pb2 as pb
 from kvstore.protos import kvstore_pb2_grpc as pb_grpc
 

@@ -34,15 +34,6 @@ NODES_RECHECK_S = 30.0
 MAX_NAMESPACES = 1024
 
 
-def node_blocks(holders: list[list[str]], num_blocks: int) -> dict[str, int]:
-    """Per node: how many blocks of the longest cached prefix it holds."""
-    counts: dict[str, int] = {}
-    for nodes in holders[:num_blocks]:
-        for node in set(nodes):
-            counts[node] = counts.get(node, 0) + 1
-    return counts
-
-
 def rank_by_blocks(candidates: list[Any], blocks: dict[str, int]) -> list[Any]:
     """The candidates on the node(s) holding most of the prefix (none if no node holds any)."""
     best = max((blocks.get(r.node_id, 0) for r in candidates), default=0)
@@ -105,7 +96,7 @@ class PrefixLocator:
 
             self._store = connect(self.config)
         hit = self._store.lookup_prefix(ns, BlockHasher(ns).block_keys(tokens))
-        return node_blocks(hit.holders, hit.num_blocks)
+        return hit.blocks_per_node()
 
     async def locate(self, salt: str | None, tokens: list[int]) -> dict[str, int]:
         """Blocks of the prompt's cached prefix per node; ``{}`` when it does not matter."""

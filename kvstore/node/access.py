@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 
 from kvstore.errors import PermissionDenied
-from kvstore.node.wire import namespace_from_spec
+from kvstore.node.proto_forms import namespace_from_spec
 from kvstore.protos import kvstore_pb2 as pb
 from kvstore.security.grants import Grant
 

@@ -11,8 +11,8 @@ in order, and a client may send the next before the last answer has arrived)::
 The credential comes before the body and is capped (``MAX_CREDENTIAL_BYTES``), so a server
 reads at most the fixed head and that many bytes from a peer it has not authenticated; the
 declared body length is checked against ``MAX_REQUEST_BYTES`` before anything else is read.
-``"KVB1"`` (token inside the body, read whole before the check) is gone: store nodes and their
-clients are one package and are upgraded together, and a KVB1 request gets a BAD_REQUEST answer.
+A frame with any other magic gets a BAD_REQUEST answer and the connection closes: store nodes
+and their clients are one package, upgraded together, so there is no version negotiation.
 """
 
 from __future__ import annotations
@@ -194,8 +194,9 @@ def recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
 
 
 def recv_exact_into_many(sock: socket.socket, views: list[memoryview]) -> None:
-    """Fill every view in order, scattering with ``recvmsg_into`` (one syscall and one wake-up
-    for a whole batch rather than one per block: at 64 KiB blocks those dominated)."""
+    """Fill every view in order, scattering with ``recvmsg_into``: one syscall and one wake-up
+    for a whole batch rather than one per block, which would cost small blocks more than their
+    bytes."""
     if isinstance(sock, ssl.SSLSocket):  # TLS has no scatter read
         for view in views:
             recv_exact_into(sock, view)

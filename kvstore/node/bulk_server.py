@@ -2,16 +2,14 @@
 
 Why not gRPC for the bytes: Python gRPC copies every payload at least three times (arena ->
 ``bytes`` for protobuf -> HTTP/2 frames -> the caller's ``bytes``) and pays a per-message cost
-in Python: it moved ~0.5 GB/s here at 2 MiB and 64 KiB, where a raw loopback socket moves 3-8
-GB/s (benchmarks/bench_transfer.py). So gRPC stays for control and puts, and payloads move on
-this channel: the server sends each run of adjacent leased blocks with one ``sendall`` from its
-read-only mapping of the arena, and the reader scatters a whole reply into the buffers it
-preallocated with one ``recvmsg_into`` (the kernel's two copies only). ``sendfile`` from the
-arena file was measured and dropped: on loopback from tmpfs it moved 1.6 GB/s at 3x the sender
-CPU of ``sendall`` from the mapping (5.0 GB/s), the page-by-page splice costing more than the
-copy it saves. A many-block read is pipelined: requests of 32 blocks, 4 in flight. The frame
-format is ``kvstore.node.bulk_frames`` ("KVB2"; the old "KVB1" is refused: nodes and clients
-are upgraded together); the client is ``kvstore.client.bulk_client``.
+in Python, so gRPC stays for control and puts and payloads move on this channel. The server
+sends each run of adjacent leased blocks with one ``sendall`` from the pool's read-only view of
+the arena (``leased_bytes``), and the reader scatters a whole reply into the buffers it
+preallocated with one ``recvmsg_into``: the kernel's two copies only. It sends from memory
+rather than with ``sendfile`` from the arena file, whose page-by-page splice costs the sender
+more CPU than the copy it saves. A many-block read is pipelined: the client sends requests of
+a bounded number of blocks, several in flight on one connection. The frame format is
+``kvstore.node.bulk_frames``; the client is ``kvstore.client.bulk_client``.
 
 What a hostile peer cannot do (docs/security.md):
 
@@ -83,7 +81,7 @@ from kvstore.node.bulk_frames import (
     set_recv_timeout,
     status_frame,
 )
-from kvstore.node.wire import namespace_from_spec
+from kvstore.node.proto_forms import namespace_from_spec
 from kvstore.protos import kvstore_pb2 as pb
 from kvstore.security.grants import Authenticator, Grant
 from kvstore.security.tls import server_ssl_context

@@ -20,7 +20,7 @@ from typing import Any
 
 from kvstore.errors import LeaseExpired, Overloaded, PermissionDenied
 
-#: Open leases one credential may hold; readers release theirs within milliseconds.
+#: Open leases one credential may hold; readers release theirs once the blocks are copied.
 MAX_LEASES_PER_SUBJECT = 4096
 #: How long an expired lease's id is remembered (a late release is then a quiet no-op).
 _FORGET_AFTER_S = 60.0

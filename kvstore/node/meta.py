@@ -2,8 +2,8 @@
 
 The index needs both to re-announce a block, and every read needs the root: the node serves a
 block only to readers of its namespace (``kvstore.node.access``). Both come from the block's
-header, which the Put path has already parsed; a block the node did not see arrive (none
-today, but the cache may be cleared) has its header read once, on demand.
+header, which the Put path has already parsed; a block with no entry (the cache may be
+cleared) has its header read once, on demand.
 
 Ordering matters for tenants: a key can be evicted and stored again by another writer, so the
 Put path drops a key's entry *before* committing it and records the new one after; a read in

@@ -1,13 +1,13 @@
 """Coalesced index publishes: concurrent Puts share one call to the index, none returns early.
 
 A store node must make a Put's keys visible before the Put returns (design.md §4), and the
-call that does it (a Ray actor call to the coordinator, a Redis pipeline) costs about the same
-for 1 entry as for 1,000. So Puts that finish while a publish is in flight do not each make
+call that does it (a Ray actor call to the coordinator, a Redis pipeline) costs mostly per
+call, hardly per entry. So Puts that finish while a publish is in flight do not each make
 their own: they queue their entries, and the next publish carries all of them. There is no
 background thread and no timer: the first Put to find no publish in flight makes the call
-itself (a lone writer pays exactly one call, as before), and the others wait for the call that
+itself (a lone writer pays exactly one call), and the others wait for the call that
 carries their entries. A Put returns only after a publish that included every one of its
-entries returned, so "Put returns once every key is visible" holds as it did per call; a failed
+entries returned, so "Put returns once every key is visible" holds for each Put; a failed
 publish fails every Put it carried.
 """
 

@@ -42,8 +42,9 @@ from kvstore.errors import (
 )
 from kvstore.index.base import IndexEntry
 from kvstore.keys import Namespace
+from kvstore.node.grpc_status import status_for
 from kvstore.node.limits import Watch
-from kvstore.node.wire import namespace_from_spec, status_for
+from kvstore.node.proto_forms import namespace_from_spec
 from kvstore.protos import kvstore_pb2 as pb
 from kvstore.security.grants import Grant
 
@@ -178,7 +179,8 @@ class PutPath:
     def _writable(self, spec: pb.NamespaceSpec, grant: Grant) -> tuple[Namespace, int]:
         """The namespace a Put writes and its block size, once the credential may write its
         tenant and its blocks fit ``server.max_block_bytes`` (checked from the dimensions
-        before anything is sized by them: a 205-byte request allocates nothing)."""
+        before anything is sized by them: a small request declaring huge dimensions allocates
+        nothing)."""
         grant.check_write(spec.cache_salt)
         namespace = namespace_from_spec(spec, data_key=self.s.data_key)
         limit = self.s.max_block_bytes

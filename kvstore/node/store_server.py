@@ -1,6 +1,6 @@
 """A store node's gRPC server: put/get, leases for same-node readers, admin calls.
 
-Errors leave as gRPC status codes here (the table is in ``kvstore.node.wire``). Every call
+Errors leave as gRPC status codes here (the table is in ``kvstore.node.grpc_status``). Every call
 passes the credential check first (``kvstore.node.auth``); then reads (Get, Exists, Lease)
 see only the blocks of the namespace they name, if the credential grants its tenant
 (``kvstore.node.access``), and ListKeys, Delete, Evict, Stats and ReportReads are admin calls.
@@ -33,12 +33,13 @@ from kvstore.node.access import ReadScope, RootCache, read_scope, spec_of
 from kvstore.node.auth import AuthGate
 from kvstore.node.block_pool import ServedPool
 from kvstore.node.bulk_server import BulkServer
+from kvstore.node.grpc_setup import start_grpc_server
 from kvstore.node.leases import LeaseTable, clamp_ttl
 from kvstore.node.limits import PutLimits, StreamWatchdog
 from kvstore.node.meta import BlockMeta
+from kvstore.node.proto_forms import tally_from_proto
 from kvstore.node.publish_batcher import CoalescingPublisher
 from kvstore.node.put_path import PutPath, abort_with, check_keys
-from kvstore.node.wire import start_grpc_server, tally_from_proto
 from kvstore.protos import kvstore_pb2 as pb
 from kvstore.protos import kvstore_pb2_grpc as pb_grpc
 from kvstore.security.grants import Grant

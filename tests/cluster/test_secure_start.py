@@ -262,7 +262,7 @@ def test_plan_is_plain_only_on_loopback_or_a_private_ray() -> None:
 def test_the_embedded_default_binds_loopback_only() -> None:
     """A private Ray names the host's network address as its node IP; the plain embedded
     default must still bind and advertise 127.0.0.1, or it would serve the network unguarded."""
-    from kvstore.node.wire import bind_node_ip
+    from kvstore.node.grpc_setup import bind_node_ip
 
     cfg = load_config(env={})
     kept = lifecycle.loopback_only(cfg).server

@@ -185,11 +185,9 @@ def test_replicas_on_the_node_holding_the_prefix_rank_first() -> None:
     from types import SimpleNamespace
 
     from kvstore.frontend.deployments import EngineCall
-    from kvstore.frontend.routing import PrefixAffinityRouter, node_blocks, rank_by_blocks
+    from kvstore.frontend.routing import PrefixAffinityRouter, rank_by_blocks
     from kvstore.workers.model.sampling import SamplingParams
 
-    holders = [["n1", "n2"], ["n1"], ["n1", "n3"], ["n2"]]
-    assert node_blocks(holders, 3) == {"n1": 3, "n2": 1, "n3": 1}
     replicas = [SimpleNamespace(node_id=n, name=f"r-{n}") for n in ("n2", "n1", "n1", "n3")]
     assert [r.name for r in rank_by_blocks(replicas, {"n1": 3, "n2": 1})] == ["r-n1", "r-n1"]
     assert rank_by_blocks(replicas, {"elsewhere": 4}) == []

@@ -40,7 +40,7 @@ from tests.multihost.netns import Host
 TENANT_A, TENANT_B = "tenant-a", "tenant-b"
 DEFAULTS = ServerConfig()  # the node's bounds: the cluster runs with the defaults
 MiB = 1 << 20
-#: Refusal statuses of the gRPC service (kvstore/node/wire.py's table).
+#: Refusal statuses of the gRPC service (kvstore/node/grpc_status.py's table).
 DENIED = "PERMISSION_DENIED"
 UNAUTHENTICATED = "UNAUTHENTICATED"
 #: The bulk channel's status bytes (kvstore/node/bulk_frames.py).

@@ -24,10 +24,11 @@ from kvstore.errors import Overloaded
 from kvstore.index.memory import InMemoryIndex
 from kvstore.keys import Namespace
 from kvstore.node.block_pool import BlockPool
+from kvstore.node.grpc_setup import grpc_options
 from kvstore.node.leases import LeaseTable, clamp_ttl
 from kvstore.node.limits import StreamWatchdog
+from kvstore.node.proto_forms import spec_from_namespace
 from kvstore.node.store_server import StoreServer
-from kvstore.node.wire import grpc_options, spec_from_namespace
 from kvstore.protos import kvstore_pb2 as pb
 from kvstore.protos import kvstore_pb2_grpc as pb_grpc
 from tests.node.test_server import make_blocks, make_namespace

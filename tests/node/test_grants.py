@@ -21,9 +21,11 @@ from kvstore.coordinator.index_service import IndexClient, IndexServer
 from kvstore.errors import NamespaceMismatch, PermissionDenied, Unauthenticated
 from kvstore.index.memory import InMemoryIndex
 from kvstore.keys import Namespace
+from kvstore.node.auth import AUTH_HEADER
 from kvstore.node.block_pool import BlockPool
+from kvstore.node.grpc_setup import grpc_options
+from kvstore.node.proto_forms import spec_from_namespace
 from kvstore.node.store_server import StoreServer
-from kvstore.node.wire import AUTH_HEADER, grpc_options, spec_from_namespace
 from kvstore.protos import kvstore_pb2 as pb
 from kvstore.protos import kvstore_pb2_grpc as pb_grpc
 from kvstore.security.grants import issue_credential

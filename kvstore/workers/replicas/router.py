@@ -56,16 +56,6 @@ class Router:
         except KVStoreError:
             return keys, PrefixHit(0, [])
 
-    def overlap(self, token_ids: TokenIds, hit: PrefixHit | None = None) -> dict[str, int]:
-        """Per node: how many blocks of the prompt's longest cached prefix it holds."""
-        if hit is None:
-            hit = self.lookup(token_ids)[1]
-        counts: dict[str, int] = {}
-        for holders in hit.holders[:hit.num_blocks]:
-            for node in set(holders):
-                counts[node] = counts.get(node, 0) + 1
-        return counts
-
     def choose(self, token_ids: TokenIds, *, hit: PrefixHit | None = None,
                max_in_flight: int | None = None) -> int | None:
         """The index of the replica to use; counts it as in flight until ``done``.
@@ -73,7 +63,9 @@ class Router:
         ``hit`` saves a second index lookup when the caller has one. With ``max_in_flight``
         only replicas with fewer requests in flight qualify, and ``None`` means all are full.
         """
-        counts = self.overlap(token_ids, hit)
+        if hit is None:
+            hit = self.lookup(token_ids)[1]
+        counts = hit.blocks_per_node()
         with self._lock:
             n = len(self.replicas)
             # Round-robin start so equal scores spread over replicas.
