@@ -30,7 +30,7 @@ from benchmarks.common import parse_args, report
 from kvstore.api import KVStore
 from kvstore.client.local_store import LocalStore
 from kvstore.config import KVStoreConfig, WorkerConfig
-from kvstore.workers.engine.runner import Engine
+from kvstore.workers.engine.prefill_decode import Engine
 from kvstore.workers.jobs.deployment import Deployment
 from kvstore.workers.model.causal_lm import load_model
 from kvstore.workers.model.sampling import SamplingParams

@@ -39,7 +39,8 @@ from kvstore.config import ClientConfig, WorkerConfig
 from kvstore.index.base import IndexEntry
 from kvstore.index.memory import InMemoryIndex
 from kvstore.keys import Namespace
-from kvstore.workers.engine.runner import Engine, PrefillResult
+from kvstore.workers.engine.prefill_decode import Engine
+from kvstore.workers.engine.results import PrefillResult
 from kvstore.workers.model.causal_lm import CausalLM, load_model
 from kvstore.workers.model.sampling import SamplingParams
 

@@ -31,8 +31,8 @@ import torch
 from benchmarks.common import parse_args, report
 from kvstore.client.local_store import LocalStore
 from kvstore.config import WorkerConfig
+from kvstore.workers.engine.prefill_decode import Engine
 from kvstore.workers.engine.reuse_policy import ReusePolicy
-from kvstore.workers.engine.runner import Engine
 from kvstore.workers.model.causal_lm import load_model
 from kvstore.workers.model.sampling import SamplingParams
 

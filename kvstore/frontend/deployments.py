@@ -22,7 +22,7 @@ from ray import serve
 
 from kvstore.config import KVStoreConfig
 from kvstore.keys import Namespace
-from kvstore.workers.engine.runner import PrefillResult, TailKV
+from kvstore.workers.engine.results import PrefillResult, TailKV
 from kvstore.workers.model.sampling import SamplingParams
 from kvstore.workers.replicas.replica import Replica, cluster_store_factory
 from kvstore.workers.replicas.roles import DecodeWorker, PrefillWorker

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvstore.config import WorkerConfig
-from kvstore.workers.engine.runner import Engine
+from kvstore.workers.engine.prefill_decode import Engine
 from kvstore.workers.model.causal_lm import load_model
 from kvstore.workers.model.sampling import SamplingParams
 from tests.support.checkpoint import build_checkpoint

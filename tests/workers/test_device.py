@@ -12,8 +12,8 @@ import torch
 from kvstore.client.local_store import LocalStore
 from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError
+from kvstore.workers.engine.prefill_decode import Engine
 from kvstore.workers.model import attention, device
-from kvstore.workers.engine.runner import Engine
 from kvstore.workers.model.causal_lm import load_model
 from kvstore.workers.model.device import (
     describe_numerics,

@@ -20,7 +20,7 @@ from kvstore.client.local_store import LocalStore
 from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError, RequestCancelled
 from kvstore.keys import Namespace
-from kvstore.workers.engine.runner import Engine
+from kvstore.workers.engine.prefill_decode import Engine
 from kvstore.workers.model.causal_lm import load_model
 from kvstore.workers.model.sampling import SamplingParams
 

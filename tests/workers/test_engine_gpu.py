@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvstore.client.local_store import LocalStore
-from kvstore.workers.engine.runner import Engine
+from kvstore.workers.engine.prefill_decode import Engine
 from kvstore.workers.model.causal_lm import load_model
 from tests.workers.test_engine import (
     HolderGone,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstore.config import WorkerConfig
-from kvstore.workers.engine.runner import Engine
+from kvstore.workers.engine.prefill_decode import Engine
 from kvstore.workers.model.causal_lm import load_model
 from kvstore.workers.model.sampling import SamplingParams
 from tests.support.arena import corrupt_in_arena

@@ -27,7 +27,7 @@ from kvstore.constants import align_up
 from kvstore.errors import PermissionDenied
 from kvstore.keys import BlockHasher, Namespace
 from kvstore.security.data_keys import block_tag, tenant_key
-from kvstore.workers.engine.runner import Engine
+from kvstore.workers.engine.prefill_decode import Engine
 from kvstore.workers.model.causal_lm import load_model
 from kvstore.workers.model.sampling import SamplingParams
 

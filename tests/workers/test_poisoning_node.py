@@ -25,7 +25,7 @@ from kvstore.keys import BlockHasher, Namespace
 from kvstore.node.block_pool import BlockPool
 from kvstore.node.store_server import StoreServer
 from kvstore.security.data_keys import block_tag, tenant_key
-from kvstore.workers.engine.runner import Engine
+from kvstore.workers.engine.prefill_decode import Engine
 from kvstore.workers.model.causal_lm import load_model
 from tests.workers.test_poisoning_engine import (
     BS,

@@ -13,7 +13,7 @@ from kvstore.client.local_store import LocalStore
 from kvstore.config import WorkerConfig
 from kvstore.keys import Namespace
 from kvstore.workers.engine.background_publisher import BackgroundPublisher, PublishBatch
-from kvstore.workers.engine.runner import Engine
+from kvstore.workers.engine.prefill_decode import Engine
 from kvstore.workers.model.causal_lm import load_model
 from kvstore.workers.model.sampling import SamplingParams
 

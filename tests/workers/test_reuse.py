@@ -17,7 +17,7 @@ import torch
 from kvstore.client.local_store import LocalStore
 from kvstore.config import WorkerConfig
 from kvstore.workers.engine import reuse_policy as reuse
-from kvstore.workers.engine.runner import Engine
+from kvstore.workers.engine.prefill_decode import Engine
 from kvstore.workers.model.causal_lm import load_model
 from kvstore.workers.model.sampling import SamplingParams
 

@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.config import WorkerConfig
 from kvstore.errors import ConfigError
-from kvstore.workers.engine.runner import Engine
+from kvstore.workers.engine.prefill_decode import Engine
 from kvstore.workers.jobs.deployment import Deployment
 from kvstore.workers.model.causal_lm import load_model
 from kvstore.workers.model.sampling import SamplingParams

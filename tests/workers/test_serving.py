@@ -9,7 +9,7 @@ from kvstore.api import PrefixHit
 from kvstore.config import KVStoreConfig, WorkerConfig
 from kvstore.errors import ConfigError, NodeUnavailable
 from kvstore.keys import BlockHasher
-from kvstore.workers.engine.runner import Engine
+from kvstore.workers.engine.prefill_decode import Engine
 from kvstore.workers.jobs.deployment import Deployment
 from kvstore.workers.model.causal_lm import load_model
 from kvstore.workers.model.sampling import SamplingParams

@@ -1,7 +1,7 @@
 """Publishing a prefill's blocks off the request's critical path.
 
 Publishing a prompt's blocks (device to host, encode, put) takes longer than computing them,
-so the request only makes a block-major copy of the new KV on the device (HBM speed) and
+so the request only makes a block-major copy of the new KV on the device (no host sync) and
 records a stream event after it; a background thread waits for that event on a side stream,
 copies the blocks into reused pinned host memory (DMA), encodes them and puts them. So:
 
@@ -10,7 +10,7 @@ copies the blocks into reused pinned host memory (DMA), encodes them and puts th
   memory the queued copies hold) bound it, and ``worker.publish_when_full`` says
   whether a request then waits for room or drops its blocks, counted in metrics either way);
 - a block is put only after its bytes are final (the event), so no reader sees a half-copied
-  block, and the store's own put path verifies what it stores as before;
+  block, and the store's own put path verifies what it stores;
 - until its put returns, a queued block is still readable by this engine (``pending``), so a
   follow-up request on the same worker hits it without waiting and without a fetch;
 - another worker that must see the blocks (a decode worker after a disaggregated prefill) waits
@@ -72,7 +72,7 @@ class BackgroundPublisher:
                  ) -> None:
         self.store = store
         self.max_backlog_blocks = max_backlog_blocks
-        #: The backlog holds device memory (an 8B model's block is 2 MiB): bounded in bytes too.
+        #: The backlog holds device memory, which a block count alone does not bound: bytes too.
         self.max_backlog_bytes = max_backlog_bytes
         self._backlog_bytes = 0
         self.when_full = when_full
@@ -168,6 +168,7 @@ class BackgroundPublisher:
 
     @property
     def backlog_blocks(self) -> int:
+        """Blocks queued and not yet put (or failed)."""
         with self._cond:
             return self._backlog
 

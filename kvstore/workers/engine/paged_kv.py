@@ -2,9 +2,10 @@
 
 Prefill writes the blocks it fetched into the request's paged KV with ``kv_cache_scatter``;
 decode places them in a block-major pool and gathers contiguous K/V with ``paged_cache_load``.
-Both return per-layer ``[T, H, D]`` tensors that ``CausalLM.cache_from_kv`` turns into a cache.
-Everything stays on the payloads' device (the model's); the block tables and lengths are built
-here on the host, so the operators need no device-to-host synchronisation.
+Both return per-layer ``[T, H, D]`` tensors that ``CausalLM.cache_from_kv`` turns into a cache
+(``prefill_cache``, ``decode_cache``). Everything stays on the payloads' device (the model's);
+the block tables and lengths are built here on the host, so the operators need no
+device-to-host synchronisation.
 
 A block-major pool slot is one block payload, exactly as the store holds it::
 
@@ -17,8 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from transformers import DynamicCache
 
 from kvstore.ops.operators import kv_cache_scatter, paged_cache_load
+from kvstore.workers.model.causal_lm import CausalLM
 
 
 def _check_payloads(payloads: Sequence[torch.Tensor]) -> tuple[int, int, int, int]:
@@ -77,3 +80,27 @@ def gather_blocks(payloads: Sequence[torch.Tensor]
         keys.append(k)
         values.append(v)
     return keys, values
+
+
+def prefill_cache(model: CausalLM, payloads: Sequence[torch.Tensor]) -> DynamicCache:
+    """A prefill's cache holding its fetched blocks (in token order; none: an empty cache)."""
+    if not payloads:
+        return model.new_cache()
+    return model.cache_from_kv(*scatter_blocks(payloads))
+
+
+def decode_cache(model: CausalLM, payloads: Sequence[torch.Tensor],
+                 tail_kv: torch.Tensor | None) -> DynamicCache:
+    """A decode's cache: its fetched blocks (in token order), then ``tail_kv`` (the prefill's
+    private tail, ``[L, 2, T, H, D]`` on any device) right after them when given."""
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    if payloads:
+        keys, values = gather_blocks(payloads)
+    if tail_kv is not None:
+        kv = tail_kv.to(model.device)
+        tail_k = [kv[layer, 0] for layer in range(kv.shape[0])]
+        tail_v = [kv[layer, 1] for layer in range(kv.shape[0])]
+        keys = [torch.cat(p) for p in zip(keys, tail_k, strict=True)] if keys else tail_k
+        values = [torch.cat(p) for p in zip(values, tail_v, strict=True)] if values else tail_v
+    return model.cache_from_kv(keys, values) if keys else model.new_cache()

@@ -7,23 +7,21 @@ published.
 
 Resuming in the middle of a chunk computes fewer rows than the whole chunk, and whether a row
 comes out the same when computed with a different number of rows depends on the backend: matmul
-libraries pick kernels, and split work over threads, by the row count. Measured on this CPU:
-pieces of 1 or 2 rows differ from the same rows inside their chunk, odd sizes such as 5 or 31
-rows differ with 2 threads but not with 1, and pieces whose row count is a power of two from 4
-up agree with either, as do multiples of the block size. So the engine never runs a piece with
-an arbitrary row count: it rounds the count up to a *piece size* (dummy rows fill the piece;
-where a size would cross the chunk's end, cached rows before it are recomputed instead), and
+libraries pick kernels, and split work over threads, by the row count, so a row count that is
+exact with one thread count may not be with another. So the engine never runs a piece with an
+arbitrary row count: it rounds the count up to a *piece size* (dummy rows fill the piece; where
+a size would cross the chunk's end, cached rows before it are recomputed instead), and
 ``probe_piece_sizes`` checks each candidate size (powers of two below a block, then every
-multiple of a block) on the real model's layers, device, dtype and attention before the worker
-relies on it. The whole chunk is always a valid size, so where nothing smaller passes a request
-resumes at chunk boundaries, still publishing every block.
+multiple of a block) on the real model's layers, device, dtype, attention and thread count
+before the worker relies on it. The whole chunk is always a valid size, so where nothing smaller
+passes a request resumes at chunk boundaries, still publishing every block.
 
 ``worker.reuse`` picks the policy: ``exact`` (the default: bitwise equal to ``--no-cache``, as
 fine-grained as the probe allows), ``block`` (vLLM's semantics: resume at any block boundary
 with rows as they come; numerically close where the probe found sizes that fail, and then in a
-namespace of its own so it never hands its KV to an exact worker) and ``chunk`` (the previous
-policy: resume and publish at whole chunks only, the last partial chunk unpadded; kept as the
-benchmarks' baseline).
+namespace of its own so it never hands its KV to an exact worker) and ``chunk`` (resume and
+publish at whole chunks only, the last partial chunk unpadded: the baseline the benchmarks
+compare against).
 """
 
 from __future__ import annotations
@@ -135,7 +133,8 @@ def probe_piece_sizes(model: CausalLM, block_size: int, chunk_tokens: int) -> tu
     the whole run's KV with keys padded to the chunk's end, as the engine runs them. A size
     passes when every piece gives the whole chunk's KV for its rows (and its last logits where
     it ends there). The whole chunk always passes. It runs the model's first ``PROBE_LAYERS``
-    decoder layers (shared weights), which keeps the probe of ``small`` to seconds.
+    decoder layers (shared weights): every layer runs the same kernels, so two settle it at a
+    fraction of the model's cost.
 
     On an accelerator the sizes that pass are tried again at the end of a long prompt
     (``long_probe_tokens``): GPU libraries may pick kernels, or split the reduction, by the
@@ -151,8 +150,9 @@ def probe_piece_sizes(model: CausalLM, block_size: int, chunk_tokens: int) -> tu
 
 def long_probe_tokens(model: CausalLM, chunk_tokens: int) -> int:
     """How long a prompt the probe tries its sizes at the end of: the model's longest, up to
-    ``LONG_PROBE_TOKENS``, in whole chunks, on an accelerator; 0 on the CPU (measured row
-    invariant at every key length its tests use, and a long probe there costs seconds)."""
+    ``LONG_PROBE_TOKENS``, in whole chunks, on an accelerator; 0 on the CPU, whose rows do not
+    depend on the key length (the tests check it at every length they use), so a long probe
+    there would only slow the worker's start."""
     if next(model.model.parameters()).device.type == "cpu":
         return 0
     longest = min(int(getattr(model.config, "max_position_embeddings", 0) or 0),

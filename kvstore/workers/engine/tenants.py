@@ -25,7 +25,8 @@ class TenantHashers:
     def __init__(self, model: CausalLM, block_size: int, default_salt: str, suffix: str, *,
                  data_key: bytes | None = None, tenant_key: bytes | None = None) -> None:
         """``suffix`` is appended to every salt (the engine keeps approximate-reuse KV apart
-        with one); ``data_key`` / ``tenant_key``: see ``kvstore.workers.engine.runner.Engine``."""
+        with one); ``data_key`` / ``tenant_key``: see
+        ``kvstore.workers.engine.prefill_decode.Engine``."""
         self.model, self.block_size = model, block_size
         self.default_salt, self.suffix = default_salt, suffix
         self.data_key, self.tenant_key = data_key, tenant_key

@@ -29,7 +29,7 @@ class PromptBlocks:
 
 def worker_namespace(config: KVStoreConfig) -> Namespace:
     """The namespace a worker with ``config.worker`` publishes in (loads the model once)."""
-    from kvstore.workers.engine.runner import Engine
+    from kvstore.workers.engine.prefill_decode import Engine
     from kvstore.workers.model.causal_lm import load_worker_model
 
     wc = config.worker

@@ -2,8 +2,8 @@
 
 A worker is a plain class (``kvstore.workers.replicas.roles.PrefillWorker``,
 ``kvstore.workers.replicas.roles.DecodeWorker``) that runs in-process as it is, or as a Ray actor
-through ``replica_actor``; the work itself is in ``kvstore.workers.engine.runner`` (docs/design.md
-§4).
+through ``replica_actor``; the work itself is in ``kvstore.workers.engine.prefill_decode``
+(docs/design.md §4).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kvstore.config import KVStoreConfig
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
 from kvstore.security.data_keys import parse_data_key
-from kvstore.workers.engine.runner import Engine
+from kvstore.workers.engine.prefill_decode import Engine
 from kvstore.workers.model.causal_lm import load_worker_model
 from kvstore.workers.model.device import describe_numerics
 

@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol
 
 from kvstore.api import PrefixHit
 from kvstore.keys import BlockKey
-from kvstore.workers.engine.runner import DecodeResult, PrefillResult
+from kvstore.workers.engine.results import DecodeResult, PrefillResult
 from kvstore.workers.model.sampling import SamplingParams
 from kvstore.workers.replicas.router import Router
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvstore.api import TokenIds
-from kvstore.workers.engine.runner import DecodeResult, PrefillResult, TailKV
+from kvstore.workers.engine.results import DecodeResult, PrefillResult, TailKV
 from kvstore.workers.model.sampling import SamplingParams
 from kvstore.workers.replicas.replica import Replica
 

@@ -1,12 +1,11 @@
-"""The prefill/decode engine: exact KV reuse over any ``KVStore`` (docs/design.md §4).
+"""Prefill and decode over any ``KVStore`` with exact KV reuse: the ``Engine`` (docs/design.md §4).
 
 Exact reuse rests on one rule: every token's KV has the numerics of the canonical computation,
 the prompt in chunks of ``prefill_chunk_tokens`` counted from token 0, each chunk's rows
 attending over the keys up to the chunk's end. A prompt's last, partial chunk gets those
-numerics by padding its keys to the chunk's end (``kvstore.workers.model.attention``) and its rows
-to one of the piece sizes the probe verified (``kvstore.workers.engine.reuse_policy``), so every
-full block of every prompt is
-canonical and is published:
+numerics by padding its keys to the chunk's end (``kvstore.workers.model.attention``) and its
+rows to one of the piece sizes the probe verified (``kvstore.workers.engine.reuse_policy``), so
+every full block of every prompt is canonical and is published:
 
     tokens  |--- chunk 0 ---|--- chunk 1 ---|--- chunk 2 ---|-- chunk 3 (partial) --|
     blocks  |b0 |b1 |b2 |b3 |b4 |b5 |b6 |b7 |b8 |b9 |b10|b11|b12|b13|  tail   (padded)
@@ -14,11 +13,15 @@ canonical and is published:
 
 A hit is used up to the last block it covers where the probe found pieces smaller than a chunk
 exact (cached rows are recomputed only where a passing piece size would cross the chunk's end),
-else up to the last chunk boundary; the model resumes there with exactly the KV a cold run has.
-Hence a cached run and a ``use_cache=False`` run do the same arithmetic and their logits and
-tokens are bitwise equal. A Miss (rejected block, holder gone) only moves the resume point back:
-never a failure, never wrong KV. The tail (the last, partial block) travels to decode privately
-(``TailKV``).
+else up to the last chunk boundary; the model resumes there with exactly the KV a cold run has
+(``kvstore.workers.engine.prefix_reuse``). Hence a cached run and a ``use_cache=False`` run do
+the same arithmetic and their logits and tokens are bitwise equal. A Miss (rejected block,
+holder gone) only moves the resume point back: never a failure, never wrong KV. The tail (the
+last, partial block) travels to decode privately (``TailKV``).
+
+The engine composes one part per job: admission (``admission``), the store's side
+(``block_io``), the reuse decisions (``prefix_reuse``), the chunk loop (``prefill_chunks``) and
+the token loop (``decode_tokens``); what it returns is in ``results``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from transformers import DynamicCache
@@ -34,71 +37,20 @@ from transformers import DynamicCache
 from kvstore import metrics
 from kvstore.api import KVStore, TokenIds
 from kvstore.config import WorkerConfig
-from kvstore.errors import ConfigError, KVStoreError, RequestCancelled
+from kvstore.errors import KVStoreError
 from kvstore.keys import BlockHasher
+from kvstore.workers.engine.admission import InFlightRequests, prompt_tokens
 from kvstore.workers.engine.background_publisher import BackgroundPublisher
 from kvstore.workers.engine.block_io import BlockIO, Fetch
-from kvstore.workers.engine.paged_kv import gather_blocks, scatter_blocks
+from kvstore.workers.engine.decode_tokens import TokenLoop
+from kvstore.workers.engine.paged_kv import decode_cache, prefill_cache
+from kvstore.workers.engine.prefill_chunks import ChunkLoop
+from kvstore.workers.engine.prefix_reuse import PrefixReuse
+from kvstore.workers.engine.results import DecodeResult, PrefillResult, TailKV
 from kvstore.workers.engine.reuse_policy import ReusePolicy, choose_policy
 from kvstore.workers.engine.tenants import TenantHashers
 from kvstore.workers.model.causal_lm import CausalLM
 from kvstore.workers.model.sampling import SamplingParams, pick_token
-
-
-@dataclass(slots=True)
-class TailKV:
-    """KV of the prompt past its last published block: handed from prefill to decode privately."""
-
-    start: int
-    kv: torch.Tensor  # [L, 2, T, H, D]
-
-
-@dataclass(slots=True)
-class PrefillResult:
-    """What a prefill returns: the first token, where its KV came from, and the private tail."""
-
-    request_id: str
-    first_token: int
-    num_prompt_tokens: int
-    cached_tokens: int
-    computed_tokens: int
-    block_keys: list[bytes]
-    num_published_blocks: int
-    sources: dict[str, int]
-    bytes_fetched: int
-    ttft_s: float
-    timings: dict[str, float]
-    misses: list[str] = field(default_factory=list)
-    tail: TailKV | None = None
-    logits: torch.Tensor | None = None
-    #: Prompt tokens in cached blocks that could not be reused (cut at a chunk boundary, the
-    #: block holding the last token, a failed fetch): what finer reuse would still save.
-    unreused_shared_tokens: int = 0
-    #: Leading blocks of the prompt that are cached or queued for publishing when the result
-    #: returns: a decode elsewhere waits for that many (``Engine.decode(wait_for_blocks=)``).
-    #: The background publish may still be running (``Engine.wait_published``).
-    num_prefix_blocks: int = 0
-
-
-@dataclass(slots=True)
-class DecodeResult:
-    """Generated tokens (the prefill's first token first) and how the prompt KV was obtained."""
-
-    request_id: str
-    output_token_ids: list[int]
-    fetched_tokens: int
-    recomputed_tokens: int
-    sources: dict[str, int]
-    bytes_fetched: int
-    decode_s: float
-    timings: dict[str, float]
-    misses: list[str] = field(default_factory=list)
-    logits: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        steps = max(0, len(self.output_token_ids) - 1)
-        return steps / self.decode_s if self.decode_s > 0 else float("inf")
 
 
 class Engine:
@@ -110,6 +62,10 @@ class Engine:
     recomputed). ``tenant_key`` instead (a tenant's own client, ``kvstore.security.data_keys.
     tenant_key``): the same keyed namespaces, for ``worker.cache_salt``'s tenant only. Neither
     (the embedded default): public roots and xxh3 checksums.
+
+    Thread-safe: several requests may run at once, and take turns at the model one forward at a
+    time (a replica serving several requests, a threaded actor, interleaves them step by step
+    instead of splitting its torch threads between them).
     """
 
     def __init__(self, model: CausalLM, store: KVStore | None, config: WorkerConfig, *,
@@ -118,8 +74,10 @@ class Engine:
         self.config = config
         self.block_size = config.block_size
         self.chunk_tokens = config.prefill_chunk_tokens
-        self.policy: ReusePolicy = choose_policy(config.reuse, model, config.block_size,
-                                                 config.prefill_chunk_tokens)
+        self._forward_lock = threading.Lock()
+        self._token_loop = TokenLoop(model, self._forward_lock)
+        self.policy = choose_policy(config.reuse, model, config.block_size,
+                                    config.prefill_chunk_tokens)
         # KV of an approximate policy must never reach a worker that promises bitwise reuse.
         self._tenants = TenantHashers(model, config.block_size, config.cache_salt,
                                       "" if self.policy.exact else "\x00reuse=block",
@@ -127,14 +85,21 @@ class Engine:
         self.hasher = self._tenants.default
         self.namespace = self.hasher.namespace
         metrics.observe_reuse_policy(self.policy.as_dict())
-        self._lock = threading.Lock()
-        # One model forward at a time: a replica serving several requests (a threaded actor)
-        # interleaves them step by step instead of splitting its torch threads between them.
-        self._forward_lock = threading.Lock()
-        self._cancelled: set[str] = set()
-        self._active: dict[str, DynamicCache | None] = {}
+        self._requests = InFlightRequests(config)
         self.device = model.device
         self.io = BlockIO(store, config, model.device)
+
+    @property
+    def policy(self) -> ReusePolicy:
+        """The reuse policy this engine computes and resumes by."""
+        return self.reuse.policy
+
+    @policy.setter
+    def policy(self, policy: ReusePolicy) -> None:
+        # The reuse decisions and the chunk loop follow a replaced policy (a benchmark's
+        # baseline); the namespace stays the one chosen for the policy at construction.
+        self.reuse = PrefixReuse(policy, self.block_size, self.chunk_tokens)
+        self._chunk_loop = ChunkLoop(self.model, policy, self._forward_lock)
 
     @property
     def store(self) -> KVStore | None:
@@ -168,171 +133,70 @@ class Engine:
         """
         return self._tenants.get(cache_salt)
 
-    # -- request lifecycle ------------------------------------------------------------------
-
     @property
     def num_active(self) -> int:
         """Requests holding KV right now (0 after every request ends, cancelled or not)."""
-        with self._lock:
-            return len(self._active)
+        return self._requests.num_active
 
     def cancel(self, request_id: str) -> None:
         """Ask a running request to stop; it raises RequestCancelled and releases its KV."""
-        with self._lock:
-            self._cancelled.add(request_id)
-
-    def _begin(self, request_id: str) -> float:
-        with self._lock:
-            if request_id in self._active:
-                raise ConfigError(f"request id {request_id!r} is already running")
-            self._active[request_id] = None
-        return time.monotonic() + self.config.request_timeout_s
-
-    def _end(self, request_id: str) -> None:
-        with self._lock:
-            self._active.pop(request_id, None)
-            self._cancelled.discard(request_id)
-
-    def _check(self, request_id: str, deadline: float) -> None:
-        with self._lock:
-            cancelled = request_id in self._cancelled
-        if cancelled:
-            raise RequestCancelled(f"request {request_id!r} was cancelled")
-        if time.monotonic() > deadline:
-            raise RequestCancelled(f"request {request_id!r} timed out after "
-                                   f"{self.config.request_timeout_s}s (worker.request_timeout_s)")
-
-    # -- shared steps -----------------------------------------------------------------------
-
-    def _tokens(self, token_ids: TokenIds) -> list[int]:
-        tokens = [int(t) for t in (token_ids.tolist() if hasattr(token_ids, "tolist")
-                                   else token_ids)]
-        if not tokens:
-            raise ConfigError("the prompt is empty; give at least one token")
-        vocab = self.model.shape.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise ConfigError(f"token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
-        return tokens
+        self._requests.cancel(request_id)
 
     def publish_end(self, num_tokens: int) -> int:
         """Where the published blocks of a prompt of ``num_tokens`` end."""
-        unit = self.block_size if self.policy.publish == "block" else self.chunk_tokens
-        return num_tokens // unit * unit
+        return self.reuse.publish_end(num_tokens)
 
     def resume_point(self, cached: int, num_tokens: int) -> int:
         """Where computing starts when the KV of the first ``cached`` tokens (whole blocks) is at
-        hand: ``cached`` itself, or earlier where the first piece's size reaches back (already
-        cached rows are then recomputed, bitwise the same), or the chunk's start."""
-        chunk, bs = self.chunk_tokens, self.block_size
-        if cached >= num_tokens:
-            return num_tokens
-        if self.policy.mode == "chunk":
-            return cached // chunk * chunk
-        chunk_end = (cached // chunk + 1) * chunk
-        start = cached
-        while True:
-            size = self.policy.piece_size(min(chunk_end, num_tokens) - start)
-            if start <= chunk_end - size:
-                return start
-            start = (chunk_end - size) // bs * bs
-
-    def _run_chunks(self, tokens: list[int], start: int, cache: DynamicCache,
-                    request_id: str, deadline: float) -> torch.Tensor | None:
-        """Tokens ``[start, n)`` on top of ``cache``, chunk by chunk, with each chunk's numerics.
-
-        ``start`` comes from ``resume_point``. Each piece (the rest of a chunk) attends over keys
-        padded to its chunk's end and runs with the policy's piece size, dummy rows filling it.
-        Only the last chunk's logits come to the host: chunks queue on the device back to back.
-        """
-        logits = None
-        pos, n = start, len(tokens)
-        while pos < n:
-            self._check(request_id, deadline)
-            chunk_end = (pos // self.chunk_tokens + 1) * self.chunk_tokens
-            end = min(chunk_end, n)
-            with self._forward_lock:
-                if self.policy.pad_keys or end == chunk_end:
-                    logits = self.model.forward(tokens[pos:end], cache, pad_keys_to=chunk_end,
-                                                pad_rows_to=self.policy.piece_size(end - pos),
-                                                to_host=False)
-                else:  # the chunk-only policy's partial last chunk, as is (never published)
-                    logits = self.model.forward(tokens[pos:end], cache, to_host=False)
-            pos = end
-        return None if logits is None else logits.to("cpu")
-
-    def _continue(self, cache: DynamicCache, first_token: int, sampling: SamplingParams,
-                  request_id: str, deadline: float, return_logits: bool,
-                  on_token: Callable[[int], None] | None = None
-                  ) -> tuple[list[int], list[torch.Tensor]]:
-        """Generate after the first token, one token per step (none for a warm-up).
-
-        ``on_token`` sees each token after the first as soon as it is picked (streaming).
-        """
-        all_logits: list[torch.Tensor] = []
-        if sampling.max_new_tokens == 0:
-            return [], all_logits
-        out = [first_token]
-        while len(out) < sampling.max_new_tokens and out[-1] not in sampling.stop_token_ids:
-            self._check(request_id, deadline)
-            with self._forward_lock:
-                logits = self.model.forward([out[-1]], cache)
-            if return_logits:
-                all_logits.append(logits)
-            out.append(pick_token(logits, sampling, len(out)))
-            if on_token is not None:
-                on_token(out[-1])
-        return out, all_logits
+        hand (``PrefixReuse.resume_point``)."""
+        return self.reuse.resume_point(cached, num_tokens)
 
     # -- prefill ----------------------------------------------------------------------------
 
-    def _compute(self, fetch: Fetch, tokens: list[int], request_id: str, deadline: float
-                 ) -> tuple[int, DynamicCache, torch.Tensor]:
+    def _compute(self, fetch: Fetch, tokens: list[int], request_id: str,
+                 check: Callable[[], None]) -> tuple[int, DynamicCache, torch.Tensor]:
         """The prompt's KV from the fetched blocks on, and its last logits (on the host: the
         device work is done when this returns)."""
         resume = len(fetch.payloads) * self.block_size
-        cache = self.model.cache_from_kv(*scatter_blocks(fetch.payloads)) if fetch.payloads \
-            else self.model.new_cache()
-        with self._lock:
-            self._active[request_id] = cache
-        logits = self._run_chunks(tokens, resume, cache, request_id, deadline)
+        cache = prefill_cache(self.model, fetch.payloads)
+        self._requests.hold(request_id, cache)
+        logits = self._chunk_loop.run(tokens, resume, cache, check)
         assert logits is not None
         return resume, cache, logits
 
     def _prefill(self, token_ids: TokenIds, sampling: SamplingParams, request_id: str,
                  use_cache: bool, deadline: float, cache_salt: str | None = None
                  ) -> tuple[PrefillResult, DynamicCache]:
+        """``prefill`` of an admitted request; also the prompt's cache, for a decode here."""
         t0 = time.perf_counter()
-        tokens = self._tokens(token_ids)
+        check = partial(self._requests.check, request_id, deadline)
+        tokens = prompt_tokens(token_ids, self.model.shape.vocab_size)
         n, bs = len(tokens), self.block_size
         hasher = self.hasher_for(cache_salt)
         namespace = hasher.namespace
         keys = hasher.block_keys(tokens)
         use_store = use_cache and self.store is not None
         hit = self.io.lookup(namespace, keys) if use_store else 0
-        # The last token always runs (its logits give the first token), so never resume at n.
         # Blocks may arrive before their verdicts (a same-node GPU read): compute at once,
         # and keep the result only if every block used was good.
-        fetch = self.io.fetch(namespace, tokens, keys, min(hit, (n - 1) // bs), early=True)
-        fetch.keep(self.resume_point(len(fetch.payloads) * bs, n) // bs)
+        fetch = self.io.fetch(namespace, tokens, keys, self.reuse.prefill_fetch_blocks(hit, n),
+                              early=True)
+        self.reuse.keep_resumable(fetch, n)
         t_fetch = time.perf_counter()
-        resume, cache, logits = self._compute(fetch, tokens, request_id, deadline)
+        resume, cache, logits = self._compute(fetch, tokens, request_id, check)
         t_verify = time.perf_counter()
         if fetch.confirm is not None:
             good = fetch.confirm()
             if good < len(fetch.payloads):  # a block used was rejected: redo without it
-                fetch.keep(self.resume_point(good * bs, n) // bs)
-                resume, cache, logits = self._compute(fetch, tokens, request_id, deadline)
+                self.reuse.keep_resumable(fetch, n, good)
+                resume, cache, logits = self._compute(fetch, tokens, request_id, check)
         t_verify = time.perf_counter() - t_verify
         first = pick_token(logits, sampling, 0)
         ttft = time.perf_counter() - t0
         published_end = self.publish_end(n)
         num_new, prefix_blocks = 0, 0
         if use_store and self.store is not None:
-            # Blocks already cached past the resume point are skipped, unless a fetch failed:
-            # then everything from the resume point is re-offered to replace the bad copy.
-            first_new = resume // bs if fetch.misses else max(resume // bs,
-                                                              min(hit, published_end // bs))
+            first_new = self.reuse.first_block_to_publish(resume, hit, n, bool(fetch.misses))
             try:
                 end = published_end // bs
                 num_new = self.io.publish(
@@ -367,7 +231,7 @@ class Engine:
 
         ``cache_salt`` selects the tenant's namespace (``None``: ``worker.cache_salt``).
         """
-        deadline = self._begin(request_id)
+        deadline = self._requests.begin(request_id)
         try:
             sampling = sampling or SamplingParams()
             result, _ = self._prefill(token_ids, sampling, request_id, use_cache, deadline,
@@ -375,7 +239,7 @@ class Engine:
             if sampling.max_new_tokens == 0:  # a warm-up: publishing is its whole job
                 self.wait_published(request_id)
         finally:
-            self._end(request_id)
+            self._requests.end(request_id)
         if not return_logits:
             result.logits = None
         return result
@@ -400,22 +264,23 @@ class Engine:
         tenant's (as in ``prefill``); ``on_token`` sees each later token as it is picked.
         """
         sampling = sampling or SamplingParams()
-        deadline = self._begin(request_id)
+        deadline = self._requests.begin(request_id)
+        check = partial(self._requests.check, request_id, deadline)
         try:
             t0 = time.perf_counter()
-            tokens = self._tokens(token_ids)
+            tokens = prompt_tokens(token_ids, self.model.shape.vocab_size)
             n, bs = len(tokens), self.block_size
-            # What the prefill published; without a prefill in front the last token must run.
-            whole = self.publish_end(n) if first_token is not None else \
-                min(self.publish_end(n), (n - 1) // bs * bs)
+            whole = self.reuse.decode_prefix_end(n, prefilled=first_token is not None)
             hasher = self.hasher_for(cache_salt)
             keys = hasher.block_keys(tokens[:whole])
             if use_cache and wait_for_blocks and self.store is not None:
                 self.io.wait_visible(hasher.namespace, keys[:wait_for_blocks],
-                                   time.monotonic() + self.config.publish_wait_s)
+                                     time.monotonic() + self.config.publish_wait_s)
             fetch = self.io.fetch(hasher.namespace, tokens, keys, len(keys) if use_cache else 0)
-            if not (tail is not None and len(fetch.payloads) * bs == whole == tail.start):
-                fetch.keep(self.resume_point(len(fetch.payloads) * bs, n) // bs)  # must run
+            # The prefill's tail continues exactly where the fetched blocks end: nothing runs.
+            use_tail = tail is not None and len(fetch.payloads) * bs == whole == tail.start
+            if not use_tail:
+                self.reuse.keep_resumable(fetch, n)  # the rest must run
             resume = len(fetch.payloads) * bs
             if sampling.max_new_tokens == 0:  # a warm-up: fetching the blocks is the whole job
                 setup_s = time.perf_counter() - t0
@@ -424,35 +289,20 @@ class Engine:
                     recomputed_tokens=0, sources=fetch.sources,
                     bytes_fetched=fetch.bytes_fetched, decode_s=0.0,
                     timings={"setup_s": setup_s, "decode_s": 0.0}, misses=fetch.misses)
-            keys_kv: list[torch.Tensor] = []
-            values_kv: list[torch.Tensor] = []
-            if fetch.payloads:
-                keys_kv, values_kv = gather_blocks(fetch.payloads)
-            use_tail = tail is not None and resume == whole and tail.start == whole
-            if use_tail:
-                assert tail is not None
-                kv = tail.kv.to(self.device)
-                tail_k = [kv[layer, 0] for layer in range(kv.shape[0])]
-                tail_v = [kv[layer, 1] for layer in range(kv.shape[0])]
-                keys_kv = [torch.cat(p) for p in zip(keys_kv, tail_k, strict=True)] \
-                    if keys_kv else tail_k
-                values_kv = [torch.cat(p) for p in zip(values_kv, tail_v, strict=True)] \
-                    if values_kv else tail_v
-            cache = self.model.cache_from_kv(keys_kv, values_kv) if keys_kv \
-                else self.model.new_cache()
-            with self._lock:
-                self._active[request_id] = cache
+            cache = decode_cache(self.model, fetch.payloads,
+                                 tail.kv if use_tail and tail is not None else None)
+            self._requests.hold(request_id, cache)
             have = n if use_tail else resume
-            last = self._run_chunks(tokens, have, cache, request_id, deadline)
+            last = self._chunk_loop.run(tokens, have, cache, check)
             if first_token is None:
                 assert last is not None
                 first_token = pick_token(last, sampling, 0)
             t_ready = time.perf_counter()
-            out, logits = self._continue(cache, first_token, sampling, request_id, deadline,
-                                         return_logits, on_token)
+            out, logits = self._token_loop.run(cache, first_token, sampling, check,
+                                           return_logits=return_logits, on_token=on_token)
             t_end = time.perf_counter()
         finally:
-            self._end(request_id)
+            self._requests.end(request_id)
         return DecodeResult(
             request_id=request_id, output_token_ids=out, fetched_tokens=resume,
             recomputed_tokens=n - have, sources=fetch.sources, bytes_fetched=fetch.bytes_fetched,
@@ -469,7 +319,7 @@ class Engine:
                  ) -> tuple[PrefillResult, DecodeResult]:
         """Prefill then decode on the prefill's own KV (no fetch): the local-KV path."""
         sampling = sampling or SamplingParams()
-        deadline = self._begin(request_id)
+        deadline = self._requests.begin(request_id)
         try:
             pre, cache = self._prefill(token_ids, sampling, request_id, use_cache, deadline,
                                        cache_salt)
@@ -478,11 +328,13 @@ class Engine:
             if on_token is not None and sampling.max_new_tokens:
                 on_token(pre.first_token)  # streamed at its time to first token
             t0 = time.perf_counter()
-            out, logits = self._continue(cache, pre.first_token, sampling, request_id, deadline,
-                                         return_logits, on_token)
+            out, logits = self._token_loop.run(
+                cache, pre.first_token, sampling,
+                partial(self._requests.check, request_id, deadline),
+                return_logits=return_logits, on_token=on_token)
             decode_s = time.perf_counter() - t0
         finally:
-            self._end(request_id)
+            self._requests.end(request_id)
         if not return_logits:
             pre.logits = None
         dec = DecodeResult(request_id=request_id, output_token_ids=out,
