@@ -4,7 +4,7 @@ Without this, every request of a burst that shares a system prompt misses the st
 them has published yet) and each computes the whole prefix: the first round of a multi-user
 chat is slower with the store than without it. So a request whose prompt shares at least
 ``min_tokens`` with a prefill in flight (same tenant) waits for that prefill to finish, then
-finds the prefix published — the rule the jobs' scheduler follows too
+finds the prefix published — the rule the jobs' request pipeline follows too
 (``kvstore.workers.replicas.request_pipeline``). The wait ends when the earlier prefill ends,
 whatever its outcome: never a hang.
 """

@@ -1,4 +1,4 @@
-"""The scheduler: several requests in flight, results in input order, each stage's replica
+"""The request pipeline: several requests in flight, results in input order, each stage's replica
 chosen per request; compared with sequential runs and the store-bypassing reference."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_run_in_input_order_equals_sequential_and_reference():
     requests = make_requests(6)
     dep = Deployment(make_config(), num_prefill=2, num_decode=2)
     calls = LastFirstCalls()
-    dep.scheduler.calls = calls
+    dep.pipeline.calls = calls
     try:
         outs = dep.run("generate", requests, SAMPLING)
     finally:
@@ -92,7 +92,7 @@ def test_a_request_waiting_for_a_shared_prefix_does_not_hold_up_others():
                 ("c", make_prompt(73, seed=4))]
     dep = Deployment(make_config(), num_prefill=2, num_decode=1)
     calls = LastFirstCalls()
-    dep.scheduler.calls = calls
+    dep.pipeline.calls = calls
     try:
         outs = dep.run("generate", requests, SAMPLING)
     finally:

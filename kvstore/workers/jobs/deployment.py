@@ -31,7 +31,7 @@ from kvstore.workers.replicas.request_pipeline import (
     JobKind,
     RayCalls,
     RequestOutput,
-    Scheduler,
+    RequestPipeline,
 )
 from kvstore.workers.replicas.roles import DecodeWorker, PrefillWorker
 from kvstore.workers.replicas.router import ReplicaSlot, Router
@@ -135,7 +135,7 @@ class Deployment:
                                                   for i, node in enumerate(prefill_nodes)])
         self.decode_router = Router(self.store, hasher, [ReplicaSlot(f"decode-{i}", node)
                                                          for i, node in enumerate(decode_nodes)])
-        self.scheduler = Scheduler(calls, self.prefills, self.decodes, self.router,
+        self.pipeline = RequestPipeline(calls, self.prefills, self.decodes, self.router,
                                    self.decode_router, max_in_flight, self.reuse["resume"])
 
     def _wait_started(self, timeout_s: float,
@@ -173,7 +173,7 @@ class Deployment:
         """
         ids = [(rid, [int(t) for t in (toks.tolist() if hasattr(toks, "tolist") else toks)])
                for rid, toks in requests]
-        return self.scheduler.run(kind, ids, sampling, on_done)
+        return self.pipeline.run(kind, ids, sampling, on_done)
 
     def generate(self, request_id: str, token_ids: TokenIds, sampling: SamplingParams, *,
                  use_cache: bool = True) -> RequestOutput:

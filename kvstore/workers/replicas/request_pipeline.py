@@ -29,7 +29,7 @@ from kvstore.workers.replicas.router import Router
 #: ``reference`` is ``generate --no-cache``: each prompt computed once, on a decode replica.
 JobKind = Literal["prefill", "decode", "generate", "reference"]
 
-#: How far down the queue the scheduler looks for a prefill to start when the head must wait.
+#: How far down the queue the pipeline looks for a prefill to start when the head must wait.
 LOOKAHEAD = 8
 
 
@@ -124,7 +124,7 @@ class _Request:
     prefill_replica: str = ""
 
 
-class Scheduler:
+class RequestPipeline:
     """Runs a job's requests through prefill and decode replicas, several at a time."""
 
     def __init__(self, calls: Calls, prefills: Sequence[Any], decodes: Sequence[Any],
@@ -154,7 +154,7 @@ class Scheduler:
             if len(to_decode) < self.max_in_flight * len(self.decodes):
                 self._start_prefills(waiting, pending, busy, sampling)
             if not pending:
-                raise RuntimeError("scheduler stalled with requests left")  # cannot happen
+                raise RuntimeError("request pipeline stalled with requests left")  # cannot happen
             for future in self.calls.wait(list(pending)):
                 stage, req, replica = pending.pop(future)
                 result = self.calls.result(future)
