@@ -31,7 +31,7 @@ from kvstore.node.proto_forms import spec_from_namespace
 from kvstore.node.store_server import StoreServer
 from kvstore.protos import kvstore_pb2 as pb
 from kvstore.protos import kvstore_pb2_grpc as pb_grpc
-from tests.node.test_server import make_blocks, make_namespace
+from tests.node.test_store_server import make_blocks, make_namespace
 
 FAST = ClientConfig(timeout_s=10, retries=0)
 

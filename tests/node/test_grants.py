@@ -30,7 +30,7 @@ from kvstore.protos import kvstore_pb2 as pb
 from kvstore.protos import kvstore_pb2_grpc as pb_grpc
 from kvstore.security.grants import issue_credential
 from tests.coordinator.test_core import FakeClock, make_chain, make_entries
-from tests.node.test_server import make_blocks
+from tests.node.test_store_server import make_blocks
 
 TOKEN = "cluster-token-" + "x" * 20
 DATA_KEY = bytes(range(32))

@@ -16,8 +16,8 @@ from kvstore.index.base import IndexEntry
 from kvstore.index.memory import InMemoryIndex
 from kvstore.node.block_pool import BlockPool
 from kvstore.node.store_server import StoreServer
-from tests.node.test_server import make_namespace
-from tests.test_cluster_store import cluster, make_puts  # noqa: F401  - fixture by name
+from tests.client.test_cluster_store import cluster, make_puts  # noqa: F401  - fixture by name
+from tests.node.test_store_server import make_namespace
 
 LONG_VIEW = ClientConfig(timeout_s=5, retries=1, index_view_ttl_s=30.0)
 

@@ -26,9 +26,9 @@ from kvstore.errors import (
 from kvstore.node.block_pool import BlockPool
 from kvstore.node.bulk_server import MAGIC
 from kvstore.node.store_server import StoreServer
-from tests.node.test_server import make_blocks, make_namespace, make_self_signed
+from tests.node.test_store_server import make_blocks, make_namespace, make_self_signed
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository: its kvstore is the one under test
 FAST = ClientConfig(timeout_s=5, retries=1)
 
 

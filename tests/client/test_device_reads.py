@@ -1,7 +1,7 @@
 """The device read path's parts: the verify pool, device rows, staging, and same-node reads into
 device rows against a pool arena (CPU here; the ``gpu`` tests run the CUDA branches).
 
-End to end through store nodes: ``tests/test_cluster_store_device.py``.
+End to end through store nodes: ``tests/client/test_cluster_store_device.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvstore.client.shm_reader import ShmReader
 from kvstore.errors import BlockCorrupted, BlockMismatch
 from kvstore.keys import Namespace
 from kvstore.node.block_pool import BlockLocation, BlockPool
-from tests.node.test_server import make_blocks
+from tests.node.test_store_server import make_blocks
 from tests.support.arena import corrupt_in_arena
 
 LARGE = Namespace("test-model", "float16", 16, 24, 2, 128)  # 384 KiB payloads: block by block

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvstore.ops.operators import kv_cache_scatter, nz_align, paged_cache_load
-from tests.test_ops import (
+from tests.ops.test_operators import (
     INDEX_DTYPES,
     _load_args,
     _scatter_args,

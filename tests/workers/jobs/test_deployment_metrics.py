@@ -15,7 +15,7 @@ from kvstore.block import block_nbytes
 from kvstore.keys import BlockHasher
 from kvstore.workers.jobs.deployment import Deployment
 from kvstore.workers.model.causal_lm import load_model
-from tests.workers.test_serving import SAMPLING, make_config, make_prompt
+from tests.workers.jobs.test_deployment import SAMPLING, make_config, make_prompt
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 

@@ -4,7 +4,7 @@ Block size 16 and chunk 32 on the tiny preset, in-process on LocalStore (full ve
 with the default policy (``reuse: exact``; on this CPU the probe finds rows invariant, so hits
 are used to the last block). The uncached reference is the same engine with no store; the
 independent reference is a plain transformers forward over the whole sequence with no cache.
-The other policies are tested in ``tests/workers/test_reuse.py``.
+The other policies are tested in ``tests/workers/engine/test_reuse_policy.py``.
 """
 
 from __future__ import annotations

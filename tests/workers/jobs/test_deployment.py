@@ -200,7 +200,7 @@ def test_ray_job_submit_generate_on_a_local_head(tmp_path):
     import time
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     gcs, dash = _free_port(), _free_port()
     # Short: Ray's unix socket paths under the temp dir must stay under 107 bytes.
     ray_tmp = tempfile.mkdtemp(prefix="kvs-job-", dir="/tmp")

@@ -12,8 +12,8 @@ from kvstore import metrics, reader_metrics
 from kvstore.api import MISS_MISMATCH, MISS_NOT_FOUND, FetchedBlock, Miss
 from kvstore.block import block_nbytes
 from kvstore.client.cluster_store import ClusterStore
-from tests.node.test_server import make_blocks, make_namespace
-from tests.test_cluster_store import FAST, cluster, make_puts  # noqa: F401 - fixture by name
+from tests.client.test_cluster_store import FAST, cluster, make_puts  # noqa: F401 - fixture by name
+from tests.node.test_store_server import make_blocks, make_namespace
 
 SERIES = [("kvstore_hits_total", {}),
           ("kvstore_misses_total", {"reason": MISS_NOT_FOUND}),

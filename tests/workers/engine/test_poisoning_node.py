@@ -27,7 +27,7 @@ from kvstore.node.store_server import StoreServer
 from kvstore.security.data_keys import block_tag, tenant_key
 from kvstore.workers.engine.prefill_decode import Engine
 from kvstore.workers.model.causal_lm import load_model
-from tests.workers.test_poisoning_engine import (
+from tests.workers.engine.test_poisoning_engine import (
     BS,
     DATA_KEY,
     SAMPLING,

@@ -37,7 +37,7 @@ from kvstore.index.memory import InMemoryIndex
 from kvstore.keys import Namespace
 from kvstore.node.block_pool import BlockPool
 from kvstore.node.store_server import StoreServer
-from tests.node.test_server import make_blocks
+from tests.node.test_store_server import make_blocks
 from tests.support.arena import corrupt_in_arena
 
 FAST = ClientConfig(timeout_s=5, retries=1)

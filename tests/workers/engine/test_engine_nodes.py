@@ -12,9 +12,9 @@ from kvstore.config import WorkerConfig
 from kvstore.workers.engine.prefill_decode import Engine
 from kvstore.workers.model.causal_lm import load_model
 from kvstore.workers.model.sampling import SamplingParams
+from tests.client.test_cluster_store_device import DATA_KEY
+from tests.client.test_cluster_store_device import make_cluster as make_cluster  # noqa: F401 (fixture)
 from tests.support.arena import corrupt_in_arena
-from tests.test_cluster_store_device import DATA_KEY
-from tests.test_cluster_store_device import make_cluster as make_cluster  # noqa: F401 (fixture)
 
 BS = 16
 SAMPLING = SamplingParams(max_new_tokens=4)

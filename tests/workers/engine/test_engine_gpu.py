@@ -14,7 +14,7 @@ import torch
 from kvstore.client.local_store import LocalStore
 from kvstore.workers.engine.prefill_decode import Engine
 from kvstore.workers.model.causal_lm import load_model
-from tests.workers.test_engine import (
+from tests.workers.engine.test_engine import (
     HolderGone,
     assert_same,
     disaggregated,

@@ -16,7 +16,7 @@ from kvstore.workers.jobs.deployment import Deployment
 from kvstore.workers.model.causal_lm import load_model
 from kvstore.workers.model.sampling import SamplingParams
 from kvstore.workers.replicas.request_pipeline import InlineCalls
-from tests.workers.test_serving import SAMPLING, make_config, make_prompt
+from tests.workers.jobs.test_deployment import SAMPLING, make_config, make_prompt
 
 
 def make_requests(num: int, system_tokens: int = 64) -> list[tuple[str, list[int]]]:

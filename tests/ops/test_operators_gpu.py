@@ -1,4 +1,5 @@
-"""kv_cache_scatter and paged_cache_load on CUDA against the reference loops of tests/test_ops.py.
+"""kv_cache_scatter and paged_cache_load on CUDA against the reference loops of
+tests/ops/test_operators.py.
 
 Every test is marked ``gpu`` and skips where torch sees no CUDA device. Caches move to the GPU
 with their strides kept; the metadata stays on the host (the usual case) or moves too.
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from kvstore.ops.operators import kv_cache_scatter, nz_align, paged_cache_load
-from tests.test_ops import (
+from tests.ops.test_operators import (
     DTYPES,
     _load_args,
     _scatter_args,

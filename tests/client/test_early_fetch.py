@@ -2,7 +2,7 @@
 after; a read that offers nothing early hands over only verified blocks; a failed read raises
 from ``result``. On the CPU with a scripted read (the CUDA offer is the direct path's, run by
 the ``gpu`` tests through ``ClusterStore``), and end to end on the CPU through a store node,
-where nothing is offered early: tests/workers/test_engine_nodes.py)."""
+where nothing is offered early: tests/workers/engine/test_engine_nodes.py)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from kvstore.node.proto_forms import spec_from_namespace
 from kvstore.node.store_server import StoreServer
 from kvstore.protos import kvstore_pb2 as pb
 from kvstore.protos import kvstore_pb2_grpc as pb_grpc
-from tests.node.test_server import make_blocks, make_namespace, put_messages
+from tests.node.test_store_server import make_blocks, make_namespace, put_messages
 
 
 @pytest.fixture
