@@ -1,8 +1,9 @@
 """The operator CLI, ``kvstore``: start/stop/status of the cluster, pins, drains, invalidation.
 
-Worker subcommands (demo, prefill, decode, generate, bench) come from
-``kvstore.workers.jobs.commands.register(subparsers)`` when the workers package provides it; every
-subcommand sets ``func(args) -> int | None`` with ``set_defaults``.
+Worker subcommands (demo, prefill, decode, generate, bench) and ``serve`` come from the
+torch-free parsers ``kvstore.workers.jobs.args`` and ``kvstore.frontend.args``, whose ``func``
+imports the command itself only when it runs; every subcommand sets
+``func(args) -> int | None`` with ``set_defaults``.
 
 Every expected failure, wherever it was raised (in this process or inside a Ray actor), prints
 one line ``kvstore: error: ...`` saying what to fix, and exits with the code of its kind;

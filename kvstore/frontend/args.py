@@ -6,14 +6,15 @@ The command itself is ``kvstore.frontend.launch.cmd_serve``, imported when it ru
 from __future__ import annotations
 
 import argparse
-import importlib
 from typing import Any
 
 from kvstore.workers.jobs.args import device_args
 
 
 def _run(args: argparse.Namespace) -> int:
-    return int(importlib.import_module("kvstore.frontend.launch").cmd_serve(args) or 0)
+    from kvstore.frontend.launch import cmd_serve
+
+    return int(cmd_serve(args) or 0)
 
 
 def register(subparsers: Any) -> None:

@@ -8,7 +8,6 @@ subcommand's ``func`` imports ``kvstore.workers.jobs.commands`` only when it run
 from __future__ import annotations
 
 import argparse
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -18,8 +17,9 @@ def _lazy(name: str) -> Callable[[argparse.Namespace], int]:
     parses."""
 
     def run(args: argparse.Namespace) -> int:
-        jobs = importlib.import_module("kvstore.workers.jobs.commands")
-        return int(getattr(jobs, name)(args) or 0)
+        from kvstore.workers.jobs import commands
+
+        return int(getattr(commands, name)(args) or 0)
 
     run.__name__ = name
     return run

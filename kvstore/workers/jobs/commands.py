@@ -1,7 +1,8 @@
 """Worker subcommands of the ``kvstore`` CLI: prefill, decode, generate, demo, bench.
 
-``kvstore.cli.main`` calls ``register(subparsers)``. Every command runs on the running kvstore
-cluster, or starts an embedded one (local Ray, in-memory index) when none is up;
+Their parser is ``kvstore.workers.jobs.args``, which imports this module only when a command
+runs (this one imports torch); nothing here imports the parser back. Every command runs on the
+running kvstore cluster, or starts an embedded one (local Ray, in-memory index) when none is up;
 ``--in-process`` runs everything in this process on a LocalStore (no Ray at all).
 Progress goes to stderr, so ``--json`` output on stdout stays one JSON object per line.
 """
@@ -24,9 +25,8 @@ from rich.table import Table
 from kvstore.config import KVStoreConfig
 from kvstore.config_loader import load_config
 from kvstore.errors import ConfigError
-from kvstore.workers.jobs.args import register  # noqa: F401  (the parser: torch-free)
 from kvstore.workers.jobs.deployment import Deployment, RequestOutput, parse_resource
-from kvstore.workers.jobs.prompts import read_prompts  # noqa: F401  (kvstore.workers.jobs.prompt_keys imports it here)
+from kvstore.workers.jobs.prompts import read_prompts
 from kvstore.workers.model.causal_lm import generation_stop_ids
 from kvstore.workers.model.sampling import SamplingParams
 from kvstore.workers.model.tokenizer import ByteTokenizer, tokenizer_for
