@@ -163,7 +163,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run each ``benchmarks/bench_*.py`` (they print their own tables)."""
-    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    root = Path(__file__).resolve().parents[3] / "benchmarks"  # the repository's, beside kvstore/
     scripts = sorted(root.glob("bench_*.py"))
     if args.names:
         scripts = [s for s in scripts if s.stem.removeprefix("bench_") in args.names
