@@ -30,8 +30,8 @@ PACKAGES = ("kvstore",)
 #: packages (security, ops) that the block codec and every layer above use.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ground", ("kvstore.errors", "kvstore.constants", "kvstore.config", "kvstore.config_loader",
-                "kvstore.keys", "kvstore.block", "kvstore.block_batch", "kvstore.api",
-                "kvstore.metrics", "kvstore.reader_metrics", "kvstore.gc_tuning",
+                "kvstore.command_flags", "kvstore.keys", "kvstore.block", "kvstore.block_batch",
+                "kvstore.api", "kvstore.metrics", "kvstore.reader_metrics", "kvstore.gc_tuning",
                 "kvstore.security", "kvstore.ops", "kvstore.protos")),
     ("index", ("kvstore.index",)),
     ("node", ("kvstore.node",)),

@@ -31,8 +31,13 @@ from rich.table import Table
 from kvstore.cli import cache as cache_commands
 from kvstore.cli import credentials as credential_commands
 from kvstore.cli import status as status_command
+from kvstore.command_flags import (
+    RUNNING_CLUSTER,
+    add_config_flags,
+    config_from_flags,
+    start_flag_overrides,
+)
 from kvstore.config import KVStoreConfig
-from kvstore.config_loader import load_config
 from kvstore.errors import (
     ClusterConflict,
     ConfigError,
@@ -49,27 +54,9 @@ OPERATOR_COMMANDS = frozenset({"start", "stop", "status", "ls", "pin", "unpin", 
 console = Console()
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE",
-                        help="YAML settings (see docs/configuration.md)")
-    parser.add_argument("--address", metavar="RAY_ADDRESS",
-                        help="Ray cluster to use (default: RAY_ADDRESS, else the running one)")
-
-
 def config_from_args(args: argparse.Namespace) -> KVStoreConfig:
-    """Defaults < --config FILE < KVSTORE_* variables < command-line flags."""
-    overrides: dict[str, dict[str, Any]] = {}
-    if getattr(args, "redis", None):
-        overrides["index"] = {"backend": "redis", "redis_url": args.redis}
-    if getattr(args, "redis_password_file", None):
-        overrides.setdefault("index", {})["redis_password_file"] = args.redis_password_file
-    if getattr(args, "capacity", None):
-        overrides["pool"] = {"capacity_bytes": args.capacity}
-    if getattr(args, "insecure", False):
-        overrides["security"] = {"insecure": True}
-    if getattr(args, "secrets_dir", None):
-        overrides.setdefault("security", {})["secrets_dir"] = args.secrets_dir
-    return load_config(getattr(args, "config", None), overrides=overrides)
+    """``start``'s and ``stop``'s settings: defaults < --config < KVSTORE_* < start's flags."""
+    return config_from_flags(args, start_flag_overrides(args))
 
 
 def warn_argv_password(url: str | None) -> None:
@@ -188,7 +175,7 @@ def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("start", help="start the coordinator and a store node per Ray node")
-    _common(p)
+    add_config_flags(p, address_fallback=RUNNING_CLUSTER)
     p.add_argument("--redis", metavar="URL", help="use Redis as the index (redis://host:port/db "
                    "or rediss:// for TLS); no password here: see --redis-password-file")
     p.add_argument("--redis-password-file", metavar="FILE",
@@ -203,7 +190,7 @@ def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_start)
 
     p = sub.add_parser("stop", help="stop every kvstore actor and free the arenas")
-    _common(p)
+    add_config_flags(p, address_fallback=RUNNING_CLUSTER)
     p.set_defaults(func=cmd_stop)
 
     # Operator views of the cache and the cluster (status, drain, ls, pin, unpin,

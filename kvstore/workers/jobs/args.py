@@ -11,6 +11,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from kvstore.command_flags import EMBEDDED_CLUSTER, add_config_flags
+
 
 def _lazy(name: str) -> Callable[[argparse.Namespace], int]:
     """A ``func`` that imports ``kvstore.workers.jobs.commands`` when the command runs, not when it
@@ -30,9 +32,7 @@ def _common(p: argparse.ArgumentParser, *, prompts: bool = True) -> None:
         p.add_argument("--prompts", metavar="FILE.jsonl", required=True,
                        help='one request a line: {"id": ..., "token_ids": [...]}, "text" '
                        'or "messages": [{"role": ..., "content": ...}]')
-    p.add_argument("--config", metavar="FILE", help="YAML settings; must exist if given")
-    p.add_argument("--address", metavar="RAY_ADDRESS",
-                   help="Ray cluster to use (default: RAY_ADDRESS, else an embedded one)")
+    add_config_flags(p, address_fallback=EMBEDDED_CLUSTER)
     p.add_argument("--in-process", action="store_true",
                    help="no Ray: replicas in this process over a LocalStore")
     p.add_argument("--model", help="preset (tiny, small) or a local weights directory")

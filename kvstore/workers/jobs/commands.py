@@ -22,8 +22,8 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvstore.command_flags import WORKER_FLAGS, config_from_flags, flag_settings
 from kvstore.config import KVStoreConfig
-from kvstore.config_loader import load_config
 from kvstore.errors import ConfigError
 from kvstore.workers.jobs.deployment import Deployment, RequestOutput, parse_resource
 from kvstore.workers.jobs.prompts import read_prompts
@@ -36,18 +36,14 @@ err = Console(stderr=True)
 
 
 def make_config(args: argparse.Namespace) -> KVStoreConfig:
-    """Defaults < --config < KVSTORE_* < flags."""
-    worker = {"model": args.model or getattr(args, "model_default", None), "seed": args.seed,
-              "block_size": args.block_size, "prefill_chunk_tokens": args.chunk_tokens,
-              "cache_salt": args.salt, "num_threads": args.threads,
-              "device": getattr(args, "device", None),
-              "attn_implementation": getattr(args, "attn_implementation", None),
-              "dtype": getattr(args, "dtype", None),
-              "gpus_per_replica": getattr(args, "gpus_per_replica", None),
-              # ``is None``, not ``or``: 0 is a warm-up (prefill and publish only), not "unset".
-              "max_new_tokens": (args.max_new_tokens if args.max_new_tokens is not None
-                                 else getattr(args, "max_new_default", None))}
-    return load_config(args.config, overrides={"worker": worker})
+    """Defaults < --config < KVSTORE_* < flags; a command's own defaults (the demo's
+    ``model_default`` and ``max_new_default``) stand in for the flags it was not given."""
+    worker = flag_settings(args, WORKER_FLAGS)
+    if not worker.get("model"):
+        worker["model"] = getattr(args, "model_default", None)
+    # setdefault, not ``or``: 0 is a warm-up (prefill and publish only), not "unset".
+    worker.setdefault("max_new_tokens", getattr(args, "max_new_default", None))
+    return config_from_flags(args, {"worker": worker})
 
 
 def make_sampling(args: argparse.Namespace, config: KVStoreConfig) -> SamplingParams:
