@@ -46,8 +46,8 @@ from kvstore.errors import (
     NodeUnavailable,
 )
 
-#: Subcommands defined here; for these the worker subcommands (which import torch and
-#: transformers, seconds of start-up) are not loaded.
+#: Subcommands defined here; for these the parser is built without the worker and serve
+#: subcommands, whose parsers an operator command has no use for.
 OPERATOR_COMMANDS = frozenset({"start", "stop", "status", "ls", "pin", "unpin", "drain",
                                "invalidate", "credentials", "rotate-credentials"})
 
@@ -167,7 +167,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
-    """The argument parser, worker subcommands included when the workers package is there."""
+    """The argument parser; ``with_workers`` adds the worker jobs' and ``serve``'s subcommands."""
     parser = argparse.ArgumentParser(
         prog="kvstore", description="kvstore operator CLI: a distributed KV-cache store on Ray")
     parser.add_argument("--debug", action="store_true",
@@ -200,18 +200,12 @@ def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
     credential_commands.register(sub)
 
     if with_workers:
-        try:  # torch-free: the jobs themselves are imported when one runs
-            from kvstore.workers.jobs import args as job_args
-        except ImportError:  # the workers package is optional for operators
-            pass
-        else:
-            job_args.register(sub)
-        try:
-            from kvstore.frontend import args as serve_args
-        except ImportError:  # the HTTP front end is optional too
-            pass
-        else:
-            serve_args.register(sub)
+        # Torch-free parsers: each command's own module is imported when the command runs.
+        from kvstore.frontend import args as serve_args
+        from kvstore.workers.jobs import args as job_args
+
+        job_args.register(sub)
+        serve_args.register(sub)
     return parser
 
 

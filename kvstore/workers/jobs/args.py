@@ -1,8 +1,10 @@
 """The worker subcommands' arguments (prefill, decode, generate, demo, bench), torch-free.
 
 ``kvstore --help`` and ``kvstore generate --help`` must answer at once, so the parser is built
-here without importing the worker stack (torch, transformers, Ray: seconds of start-up); each
-subcommand's ``func`` imports ``kvstore.workers.jobs.commands`` only when it runs.
+here without importing the worker stack (torch, transformers, Ray); each subcommand's ``func``
+imports ``kvstore.workers.jobs.commands`` only when it runs. ``--config`` and ``--address`` and
+the flags' settings are ``kvstore.command_flags``'s, shared with ``serve`` and the operator
+commands.
 """
 
 from __future__ import annotations
