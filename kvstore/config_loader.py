@@ -99,7 +99,9 @@ def load_config(
 ) -> KVStoreConfig:
     """Load settings: defaults, then the YAML file, then ``KVSTORE_*`` variables, then overrides.
 
-    ``overrides`` is ``{component: {field: value}}`` (command-line flags).
+    ``overrides`` is ``{component: {field: value}}``, a command's flags as
+    ``kvstore.command_flags`` reads them; a ``None`` value is a flag not given and overrides
+    nothing.
     """
     env = os.environ if env is None else env
     raw: dict[str, dict[str, Any]] = {}

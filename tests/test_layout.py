@@ -3,13 +3,20 @@
 Read from the source with ``ast`` (function-level imports included, since a lazy import is still
 a dependency), so the test needs nothing importable and fails on the first upward arrow or
 circle with the modules that form it. docs/design.md §2 explains the layers.
+
+An import through a string (``importlib.import_module("kvstore.x")``, ``__import__``, a lazy
+table such as ``kvstore._EXPORTS``, a ``"module:attr"`` or ``"module.Class"`` handed to a
+loader) is a dependency too: any string constant that names a project module counts as an
+import of it. Docstrings and other bare string statements are prose, not edges.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
+from collections.abc import Container
 from pathlib import Path
 
 import pytest
@@ -23,8 +30,8 @@ PACKAGES = ("kvstore",)
 #: packages (security, ops) that the block codec and every layer above use.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ground", ("kvstore.errors", "kvstore.constants", "kvstore.config", "kvstore.config_loader",
-                "kvstore.keys", "kvstore.block", "kvstore.block_batch", "kvstore.api",
-                "kvstore.metrics", "kvstore.reader_metrics", "kvstore.gc_tuning",
+                "kvstore.command_flags", "kvstore.keys", "kvstore.block", "kvstore.block_batch",
+                "kvstore.api", "kvstore.metrics", "kvstore.reader_metrics", "kvstore.gc_tuning",
                 "kvstore.security", "kvstore.ops", "kvstore.protos")),
     ("index", ("kvstore.index",)),
     ("node", ("kvstore.node",)),
@@ -49,19 +56,48 @@ def all_modules() -> dict[str, Path]:
     return {module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
 
 
+#: ``pkg.mod``, ``pkg.mod.attr`` or ``pkg.mod:attr``: how code names a module in a string.
+DOTTED_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*)?")
+
+
+def module_named_by(text: str, known: Container[str]) -> str | None:
+    """The project module a string names: the whole string, or the part before ``:attr`` or
+    the last ``.attr``.
+
+    A top package alone does not count: ``"kvstore"`` is also the program's, the Serve
+    application's and the loggers' name, and the package's own ``__init__`` has no layer.
+    """
+    if not DOTTED_NAME.fullmatch(text):
+        return None
+    dotted = text.partition(":")[0]
+    for candidate in (dotted, dotted.rpartition(".")[0]):
+        if candidate in known and candidate not in PACKAGES:
+            return candidate
+    return None
+
+
 def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
-    """The project modules ``path`` imports, anywhere in the file."""
+    """The project modules ``path`` imports, anywhere in the file, by statement or by name."""
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    prose = {id(node.value) for node in ast.walk(tree)
+             if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             # ``from pkg import mod`` names a module; ``from mod import name`` names the module
             names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known
                      else node.module for a in node.names]
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and id(node) not in prose):
+            named = module_named_by(node.value, known)
+            names = [] if named is None else [named]
         else:
             continue
         out.update(n for n in names if n.split(".")[0] in PACKAGES)
+    if path.is_relative_to(ROOT):
+        out.discard(module_name(path))  # generated protobuf code names itself as it registers
     return out
 
 
@@ -163,6 +199,40 @@ def test_the_layering_check_catches_an_upward_import(graph):
 def test_the_circle_check_catches_a_circle(graph):
     graph = {**graph, "kvstore.errors": graph["kvstore.errors"] | {"kvstore.block"}}
     with pytest.raises(AssertionError, match="kvstore.block"):
+        test_the_import_graph_has_no_circles(graph)
+
+
+def test_imports_through_strings_are_edges(tmp_path):
+    """importlib, ``__import__``, lazy tables and ``module:attr`` strings name modules;
+    docstrings, the bare package name and other text do not."""
+    source = tmp_path / "lazy.py"
+    source.write_text(
+        '"""Mentions kvstore.node.block_pool in prose only."""\n'
+        "import importlib\n"
+        "EXPORTS = {'connect': 'kvstore.cluster.lifecycle'}\n"
+        "def load():\n"
+        "    'And kvstore.coordinator.core here.'\n"
+        "    importlib.import_module('kvstore.keys')\n"
+        "    __import__('kvstore.errors')\n"
+        "    return ('kvstore.cli.main:main', 'kvstore.frontend.routing.PrefixAffinityRouter',\n"
+        "            'kvstore', 'kvstore: error: ', 'kvstore.no_such_module.x', 'kvstore-node')\n")
+    assert imports_of(source, all_modules()) == {
+        "kvstore.cluster.lifecycle", "kvstore.keys", "kvstore.errors", "kvstore.cli.main",
+        "kvstore.frontend.routing"}
+
+
+def test_the_circle_check_catches_a_circle_made_through_a_string(graph, tmp_path):
+    """The block codec loading the batch codec by name closes a circle: the batch codec
+    imports the block codec with a statement."""
+    assert "kvstore.block" in graph["kvstore.block_batch"]
+    known = all_modules()
+    lazy_block = tmp_path / "block.py"
+    lazy_block.write_text(known["kvstore.block"].read_text() + "\n\n"
+                          "def _batch_codec():\n"
+                          "    import importlib\n\n"
+                          "    return importlib.import_module('kvstore.block_batch')\n")
+    graph = {**graph, "kvstore.block": imports_of(lazy_block, known)}
+    with pytest.raises(AssertionError, match="kvstore.block_batch"):
         test_the_import_graph_has_no_circles(graph)
 
 

@@ -15,24 +15,27 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvstore.command_flags import (
+    RUNNING_CLUSTER,
+    WORKER_FLAGS,
+    add_config_flags,
+    config_from_flags,
+    flag_settings,
+)
 from kvstore.config import KVStoreConfig
-from kvstore.config_loader import load_config
 from kvstore.constants import KEY_NBYTES
 from kvstore.errors import ClusterUnavailable, ConfigError, KVStoreError
 
 
-def add_common(parser: argparse.ArgumentParser) -> None:
-    """``--config`` and ``--address``, which every operator command takes."""
-    parser.add_argument("--config", metavar="FILE",
-                        help="YAML settings (see docs/configuration.md); must exist if given")
-    parser.add_argument("--address", metavar="RAY_ADDRESS",
-                        help="Ray cluster to use (default: RAY_ADDRESS, else the running one)")
+def operator_config(args: argparse.Namespace, *, worker_flags: bool = False) -> KVStoreConfig:
+    """The settings a command runs with: read (and checked) before anything connects.
 
-
-def operator_config(args: argparse.Namespace, worker: dict[str, Any] | None = None
-                    ) -> KVStoreConfig:
-    """The settings a command runs with: read (and checked) before anything connects."""
-    return load_config(args.config, overrides={"worker": worker or {}})
+    With ``worker_flags`` the command's ``--model``, ``--seed``, ``--block-size``, ``--salt``,
+    ``--dtype`` and ``--numerics`` stand for the workers' settings, so a prompt's keys are the
+    ones its prefill publishes.
+    """
+    worker = flag_settings(args, WORKER_FLAGS) if worker_flags else {}
+    return config_from_flags(args, {"worker": worker})
 
 
 def connect(args: argparse.Namespace) -> None:
@@ -105,9 +108,7 @@ def add_prompt_args(p: argparse.ArgumentParser) -> None:
 
 def prompt_keys(args: argparse.Namespace) -> tuple[list[bytes], str]:
     """Keys of ``--prompts``/``--text`` (or the positional ones) and a line that says whence."""
-    config = operator_config(args, {"model": args.model, "seed": args.seed,
-                                    "block_size": args.block_size, "cache_salt": args.salt,
-                                    "dtype": args.dtype, "numerics": args.numerics})
+    config = operator_config(args, worker_flags=True)
     if args.prompts is None and args.text is None:
         if not args.keys:
             raise ConfigError("name blocks: full keys (as `kvstore ls` prints), "
@@ -178,10 +179,8 @@ def namespace_root(args: argparse.Namespace) -> bytes:
     if args.model:
         from kvstore.workers.jobs.prompt_keys import worker_namespace
 
-        return worker_namespace(with_cluster_data_key(args, operator_config(args, {
-            "model": args.model, "seed": args.seed, "block_size": args.block_size,
-            "cache_salt": args.salt, "dtype": args.dtype,
-            "numerics": args.numerics}))).root
+        return worker_namespace(with_cluster_data_key(
+            args, operator_config(args, worker_flags=True))).root
     fields = {"model_fingerprint": args.model_fingerprint, "dtype": args.dtype,
               "block_size": args.block_size, "num_layers": args.num_layers,
               "num_kv_heads": args.num_kv_heads, "head_dim": args.head_dim}
@@ -273,7 +272,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     """Add ``ls``, ``pin``, ``unpin`` and ``invalidate`` to the ``kvstore`` parser."""
     p = sub.add_parser("ls", help="namespaces and cached prefixes, with full keys")
-    add_common(p)
+    add_config_flags(p, address_fallback=RUNNING_CLUSTER)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--limit", type=int, default=20,
                    help="cached prefixes to list, most recently used first (default 20)")
@@ -283,7 +282,7 @@ def register(sub: Any) -> None:
             ("pin", "keep blocks from eviction: full keys, or a prompt's blocks", cmd_pin),
             ("unpin", "release pins: full keys, or a prompt's blocks", cmd_unpin)):
         p = sub.add_parser(name, help=helptext)
-        add_common(p)
+        add_config_flags(p, address_fallback=RUNNING_CLUSTER)
         p.add_argument("keys", nargs="*", metavar="KEYHEX",
                        help="full block keys (64 hex digits, as `kvstore ls` prints)")
         add_prompt_args(p)
@@ -296,7 +295,7 @@ def register(sub: Any) -> None:
         p.set_defaults(func=func)
 
     p = sub.add_parser("invalidate", help="evict a namespace, or a prompt's blocks, everywhere")
-    add_common(p)
+    add_config_flags(p, address_fallback=RUNNING_CLUSTER)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prompts", metavar="FILE.jsonl",
                    help="evict exactly these prompts' blocks (with --model), not a namespace")

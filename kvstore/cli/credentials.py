@@ -16,7 +16,8 @@ import re
 import sys
 from typing import Any
 
-from kvstore.cli.cache import add_common, connect, operator_config
+from kvstore.cli.cache import connect, operator_config
+from kvstore.command_flags import RUNNING_CLUSTER, add_config_flags
 from kvstore.errors import ConfigError
 
 _TTL = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -209,14 +210,14 @@ def register(sub: Any) -> None:
                             help="init, issue, show or redis-conf")
 
     q = csub.add_parser("init", help="make the cluster's secrets now (prints no secret)")
-    add_common(q)
+    add_config_flags(q, address_fallback=RUNNING_CLUSTER)
     _secrets_dir_flag(q)
     q.add_argument("--redis-password", action="store_true",
                    help="also make a Redis password (redis_password in the directory)")
     q.set_defaults(func=cmd_init)
 
     q = csub.add_parser("issue", help="print a tenant credential (client.auth_token)")
-    add_common(q)
+    add_config_flags(q, address_fallback=RUNNING_CLUSTER)
     _secrets_dir_flag(q)
     q.add_argument("--subject", required=True, metavar="NAME",
                    help="who it is for (shown in refusals and audit)")
@@ -234,7 +235,7 @@ def register(sub: Any) -> None:
     q.set_defaults(func=cmd_issue)
 
     q = csub.add_parser("show", help="what a credential grants ('-': read it from stdin)")
-    add_common(q)
+    add_config_flags(q, address_fallback=RUNNING_CLUSTER)
     _secrets_dir_flag(q)
     q.add_argument("credential", metavar="CREDENTIAL",
                    help="the credential, or '-' to read it from stdin (kept out of ps)")
@@ -243,7 +244,7 @@ def register(sub: Any) -> None:
 
     q = csub.add_parser("redis-conf", help="write a redis.conf include with a generated "
                                            "password (and TLS from the cluster CA)")
-    add_common(q)
+    add_config_flags(q, address_fallback=RUNNING_CLUSTER)
     _secrets_dir_flag(q)
     q.add_argument("--out", required=True, metavar="FILE", help="the include to write (0600)")
     q.add_argument("--tls-host", nargs="+", metavar="HOST",
@@ -255,7 +256,7 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("rotate-credentials",
                        help="new cluster token and node certificates, no restart, no block lost")
-    add_common(p)
+    add_config_flags(p, address_fallback=RUNNING_CLUSTER)
     _secrets_dir_flag(p)
     p.add_argument("--finish", action="store_true",
                    help="stop accepting the previous token (after clients moved on)")

@@ -1,8 +1,9 @@
 """The operator CLI, ``kvstore``: start/stop/status of the cluster, pins, drains, invalidation.
 
-Worker subcommands (demo, prefill, decode, generate, bench) come from
-``kvstore.workers.jobs.commands.register(subparsers)`` when the workers package provides it; every
-subcommand sets ``func(args) -> int | None`` with ``set_defaults``.
+Worker subcommands (demo, prefill, decode, generate, bench) and ``serve`` come from the
+torch-free parsers ``kvstore.workers.jobs.args`` and ``kvstore.frontend.args``, whose ``func``
+imports the command itself only when it runs; every subcommand sets
+``func(args) -> int | None`` with ``set_defaults``.
 
 Every expected failure, wherever it was raised (in this process or inside a Ray actor), prints
 one line ``kvstore: error: ...`` saying what to fix, and exits with the code of its kind;
@@ -30,8 +31,13 @@ from rich.table import Table
 from kvstore.cli import cache as cache_commands
 from kvstore.cli import credentials as credential_commands
 from kvstore.cli import status as status_command
+from kvstore.command_flags import (
+    RUNNING_CLUSTER,
+    add_config_flags,
+    config_from_flags,
+    start_flag_overrides,
+)
 from kvstore.config import KVStoreConfig
-from kvstore.config_loader import load_config
 from kvstore.errors import (
     ClusterConflict,
     ConfigError,
@@ -40,35 +46,17 @@ from kvstore.errors import (
     NodeUnavailable,
 )
 
-#: Subcommands defined here; for these the worker subcommands (which import torch and
-#: transformers, seconds of start-up) are not loaded.
+#: Subcommands defined here; for these the parser is built without the worker and serve
+#: subcommands, whose parsers an operator command has no use for.
 OPERATOR_COMMANDS = frozenset({"start", "stop", "status", "ls", "pin", "unpin", "drain",
                                "invalidate", "credentials", "rotate-credentials"})
 
 console = Console()
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE",
-                        help="YAML settings (see docs/configuration.md)")
-    parser.add_argument("--address", metavar="RAY_ADDRESS",
-                        help="Ray cluster to use (default: RAY_ADDRESS, else the running one)")
-
-
 def config_from_args(args: argparse.Namespace) -> KVStoreConfig:
-    """Defaults < --config FILE < KVSTORE_* variables < command-line flags."""
-    overrides: dict[str, dict[str, Any]] = {}
-    if getattr(args, "redis", None):
-        overrides["index"] = {"backend": "redis", "redis_url": args.redis}
-    if getattr(args, "redis_password_file", None):
-        overrides.setdefault("index", {})["redis_password_file"] = args.redis_password_file
-    if getattr(args, "capacity", None):
-        overrides["pool"] = {"capacity_bytes": args.capacity}
-    if getattr(args, "insecure", False):
-        overrides["security"] = {"insecure": True}
-    if getattr(args, "secrets_dir", None):
-        overrides.setdefault("security", {})["secrets_dir"] = args.secrets_dir
-    return load_config(getattr(args, "config", None), overrides=overrides)
+    """``start``'s and ``stop``'s settings: defaults < --config < KVSTORE_* < start's flags."""
+    return config_from_flags(args, start_flag_overrides(args))
 
 
 def warn_argv_password(url: str | None) -> None:
@@ -179,7 +167,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
-    """The argument parser, worker subcommands included when the workers package is there."""
+    """The argument parser; ``with_workers`` adds the worker jobs' and ``serve``'s subcommands."""
     parser = argparse.ArgumentParser(
         prog="kvstore", description="kvstore operator CLI: a distributed KV-cache store on Ray")
     parser.add_argument("--debug", action="store_true",
@@ -187,7 +175,7 @@ def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("start", help="start the coordinator and a store node per Ray node")
-    _common(p)
+    add_config_flags(p, address_fallback=RUNNING_CLUSTER)
     p.add_argument("--redis", metavar="URL", help="use Redis as the index (redis://host:port/db "
                    "or rediss:// for TLS); no password here: see --redis-password-file")
     p.add_argument("--redis-password-file", metavar="FILE",
@@ -202,7 +190,7 @@ def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_start)
 
     p = sub.add_parser("stop", help="stop every kvstore actor and free the arenas")
-    _common(p)
+    add_config_flags(p, address_fallback=RUNNING_CLUSTER)
     p.set_defaults(func=cmd_stop)
 
     # Operator views of the cache and the cluster (status, drain, ls, pin, unpin,
@@ -212,18 +200,12 @@ def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
     credential_commands.register(sub)
 
     if with_workers:
-        try:  # torch-free: the jobs themselves are imported when one runs
-            from kvstore.workers.jobs import args as job_args
-        except ImportError:  # the workers package is optional for operators
-            pass
-        else:
-            job_args.register(sub)
-        try:
-            from kvstore.frontend import args as serve_args
-        except ImportError:  # the HTTP front end is optional too
-            pass
-        else:
-            serve_args.register(sub)
+        # Torch-free parsers: each command's own module is imported when the command runs.
+        from kvstore.frontend import args as serve_args
+        from kvstore.workers.jobs import args as job_args
+
+        job_args.register(sub)
+        serve_args.register(sub)
     return parser
 
 

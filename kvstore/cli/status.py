@@ -11,7 +11,8 @@ import argparse
 import json
 from typing import Any
 
-from kvstore.cli.cache import add_common, connect, operator_config, size_text
+from kvstore.cli.cache import connect, operator_config, size_text
+from kvstore.command_flags import RUNNING_CLUSTER, add_config_flags
 
 #: Digits of a node id the narrow table shows (Ray's ids are 56; 12 stay unique in practice,
 #: and ``drain`` refuses an ambiguous prefix).
@@ -170,14 +171,14 @@ def cmd_drain(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     """Add ``status`` and ``drain`` to the ``kvstore`` parser."""
     p = sub.add_parser("status", help="per-node use, hit rate, evictions, top prefixes")
-    add_common(p)
+    add_config_flags(p, address_fallback=RUNNING_CLUSTER)
     p.add_argument("--json", action="store_true", help="print one JSON object (full ids)")
     p.add_argument("--wide", action="store_true",
                    help="every column and full node ids (wider than 80 columns)")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("drain", help="move a node's blocks elsewhere (or evict) and stop using it")
-    add_common(p)
+    add_config_flags(p, address_fallback=RUNNING_CLUSTER)
     p.add_argument("node_id", metavar="NODE_ID",
                    help="the node id, or a unique prefix of it (as `kvstore status` prints)")
     p.set_defaults(func=cmd_drain)

@@ -6,14 +6,16 @@ The command itself is ``kvstore.frontend.launch.cmd_serve``, imported when it ru
 from __future__ import annotations
 
 import argparse
-import importlib
 from typing import Any
 
+from kvstore.command_flags import EMBEDDED_CLUSTER, add_config_flags
 from kvstore.workers.jobs.args import device_args
 
 
 def _run(args: argparse.Namespace) -> int:
-    return int(importlib.import_module("kvstore.frontend.launch").cmd_serve(args) or 0)
+    from kvstore.frontend.launch import cmd_serve
+
+    return int(cmd_serve(args) or 0)
 
 
 def register(subparsers: Any) -> None:
@@ -30,10 +32,7 @@ def register(subparsers: Any) -> None:
                    help="tokenizer directory (default: the model directory's own)")
     p.add_argument("--host", help="address to listen on (default: serve.host, 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default: serve.port, 8000)")
-    p.add_argument("--config", metavar="FILE", help="YAML settings; must exist if given")
-    p.add_argument("--address", metavar="RAY_ADDRESS",
-                   help="Ray cluster to use (default: RAY_ADDRESS, the cluster `kvstore "
-                   "start` recorded, else an embedded one)")
+    add_config_flags(p, address_fallback=EMBEDDED_CLUSTER)
     p.add_argument("--model-name", help="the name clients send as 'model' (default: the "
                    "preset or the model directory's name)")
     p.add_argument("--prefill-replicas", type=int, help="default: serve.prefill_replicas")

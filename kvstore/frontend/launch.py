@@ -22,8 +22,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvstore.command_flags import SERVE_FLAGS, WORKER_FLAGS, config_from_flags, flag_settings
 from kvstore.config import KVStoreConfig, ServeConfig
-from kvstore.config_loader import load_config
 from kvstore.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -35,14 +35,9 @@ READY_TIMEOUT_S = 300.0
 
 
 def make_config(args: argparse.Namespace) -> KVStoreConfig:
-    """Defaults < --config < KVSTORE_* < flags."""
-    worker = {"model": args.model, "seed": args.seed, "block_size": args.block_size,
-              "prefill_chunk_tokens": args.chunk_tokens, "num_threads": args.threads,
-              "device": args.device, "attn_implementation": args.attn_implementation,
-              "dtype": args.dtype, "gpus_per_replica": args.gpus_per_replica}
-    serve = {"host": args.host, "port": args.port, "model_name": args.model_name,
-             "prefill_replicas": args.prefill_replicas, "decode_replicas": args.decode_replicas}
-    config = load_config(args.config, overrides={"worker": worker, "serve": serve})
+    """Defaults < --config < KVSTORE_* < flags; the API key read from ``serve.api_key_file``."""
+    config = config_from_flags(args, {"worker": flag_settings(args, WORKER_FLAGS),
+                                      "serve": flag_settings(args, SERVE_FLAGS)})
     key_file = config.serve.api_key_file
     if key_file and not config.serve.api_key:
         try:

@@ -1,16 +1,19 @@
 """The worker subcommands' arguments (prefill, decode, generate, demo, bench), torch-free.
 
 ``kvstore --help`` and ``kvstore generate --help`` must answer at once, so the parser is built
-here without importing the worker stack (torch, transformers, Ray: seconds of start-up); each
-subcommand's ``func`` imports ``kvstore.workers.jobs.commands`` only when it runs.
+here without importing the worker stack (torch, transformers, Ray); each subcommand's ``func``
+imports ``kvstore.workers.jobs.commands`` only when it runs. ``--config`` and ``--address`` and
+the flags' settings are ``kvstore.command_flags``'s, shared with ``serve`` and the operator
+commands.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 from collections.abc import Callable
 from typing import Any
+
+from kvstore.command_flags import EMBEDDED_CLUSTER, add_config_flags
 
 
 def _lazy(name: str) -> Callable[[argparse.Namespace], int]:
@@ -18,8 +21,9 @@ def _lazy(name: str) -> Callable[[argparse.Namespace], int]:
     parses."""
 
     def run(args: argparse.Namespace) -> int:
-        jobs = importlib.import_module("kvstore.workers.jobs.commands")
-        return int(getattr(jobs, name)(args) or 0)
+        from kvstore.workers.jobs import commands
+
+        return int(getattr(commands, name)(args) or 0)
 
     run.__name__ = name
     return run
@@ -30,9 +34,7 @@ def _common(p: argparse.ArgumentParser, *, prompts: bool = True) -> None:
         p.add_argument("--prompts", metavar="FILE.jsonl", required=True,
                        help='one request a line: {"id": ..., "token_ids": [...]}, "text" '
                        'or "messages": [{"role": ..., "content": ...}]')
-    p.add_argument("--config", metavar="FILE", help="YAML settings; must exist if given")
-    p.add_argument("--address", metavar="RAY_ADDRESS",
-                   help="Ray cluster to use (default: RAY_ADDRESS, else an embedded one)")
+    add_config_flags(p, address_fallback=EMBEDDED_CLUSTER)
     p.add_argument("--in-process", action="store_true",
                    help="no Ray: replicas in this process over a LocalStore")
     p.add_argument("--model", help="preset (tiny, small) or a local weights directory")

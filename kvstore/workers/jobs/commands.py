@@ -1,7 +1,8 @@
 """Worker subcommands of the ``kvstore`` CLI: prefill, decode, generate, demo, bench.
 
-``kvstore.cli.main`` calls ``register(subparsers)``. Every command runs on the running kvstore
-cluster, or starts an embedded one (local Ray, in-memory index) when none is up;
+Their parser is ``kvstore.workers.jobs.args``, which imports this module only when a command
+runs (this one imports torch); nothing here imports the parser back. Every command runs on the
+running kvstore cluster, or starts an embedded one (local Ray, in-memory index) when none is up;
 ``--in-process`` runs everything in this process on a LocalStore (no Ray at all).
 Progress goes to stderr, so ``--json`` output on stdout stays one JSON object per line.
 """
@@ -21,12 +22,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from kvstore.command_flags import WORKER_FLAGS, config_from_flags, flag_settings
 from kvstore.config import KVStoreConfig
-from kvstore.config_loader import load_config
 from kvstore.errors import ConfigError
-from kvstore.workers.jobs.args import register  # noqa: F401  (the parser: torch-free)
 from kvstore.workers.jobs.deployment import Deployment, RequestOutput, parse_resource
-from kvstore.workers.jobs.prompts import read_prompts  # noqa: F401  (kvstore.workers.jobs.prompt_keys imports it here)
+from kvstore.workers.jobs.prompts import read_prompts
 from kvstore.workers.model.causal_lm import generation_stop_ids
 from kvstore.workers.model.sampling import SamplingParams
 from kvstore.workers.model.tokenizer import ByteTokenizer, tokenizer_for
@@ -36,18 +36,14 @@ err = Console(stderr=True)
 
 
 def make_config(args: argparse.Namespace) -> KVStoreConfig:
-    """Defaults < --config < KVSTORE_* < flags."""
-    worker = {"model": args.model or getattr(args, "model_default", None), "seed": args.seed,
-              "block_size": args.block_size, "prefill_chunk_tokens": args.chunk_tokens,
-              "cache_salt": args.salt, "num_threads": args.threads,
-              "device": getattr(args, "device", None),
-              "attn_implementation": getattr(args, "attn_implementation", None),
-              "dtype": getattr(args, "dtype", None),
-              "gpus_per_replica": getattr(args, "gpus_per_replica", None),
-              # ``is None``, not ``or``: 0 is a warm-up (prefill and publish only), not "unset".
-              "max_new_tokens": (args.max_new_tokens if args.max_new_tokens is not None
-                                 else getattr(args, "max_new_default", None))}
-    return load_config(args.config, overrides={"worker": worker})
+    """Defaults < --config < KVSTORE_* < flags; a command's own defaults (the demo's
+    ``model_default`` and ``max_new_default``) stand in for the flags it was not given."""
+    worker = flag_settings(args, WORKER_FLAGS)
+    if not worker.get("model"):
+        worker["model"] = getattr(args, "model_default", None)
+    # setdefault, not ``or``: 0 is a warm-up (prefill and publish only), not "unset".
+    worker.setdefault("max_new_tokens", getattr(args, "max_new_default", None))
+    return config_from_flags(args, {"worker": worker})
 
 
 def make_sampling(args: argparse.Namespace, config: KVStoreConfig) -> SamplingParams:
@@ -163,7 +159,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Run each ``benchmarks/bench_*.py`` (they print their own tables)."""
-    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    root = Path(__file__).resolve().parents[3] / "benchmarks"  # the repository's, beside kvstore/
     scripts = sorted(root.glob("bench_*.py"))
     if args.names:
         scripts = [s for s in scripts if s.stem.removeprefix("bench_") in args.names
