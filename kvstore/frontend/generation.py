@@ -20,10 +20,10 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from kvstore.errors import ConfigError, RequestCancelled
 from kvstore.frontend.coalesce import InFlightPrefills
-from kvstore.frontend.deployments import EngineCall
 from kvstore.frontend.detokenize import TextStream
 from kvstore.frontend.protocol import APIError, GenerationRequest, ModelCard
 from kvstore.frontend.responses import Usage
+from kvstore.frontend.serve_replicas import EngineCall
 from kvstore.workers.model.sampling import SamplingParams
 from kvstore.workers.model.tokenizer import Tokenizer
 

@@ -82,7 +82,7 @@ def build_app(config: KVStoreConfig, tokenizer_path: str | None,
     what each prefill and decode replica asks Ray for; the front end itself asks for none.
     """
     from kvstore.frontend.app import OpenAIServer
-    from kvstore.frontend.deployments import DecodeServer, PrefillServer
+    from kvstore.frontend.serve_replicas import DecodeServer, PrefillServer
     from kvstore.workers.model.causal_lm import generation_stop_ids
 
     sc = config.serve

@@ -184,8 +184,8 @@ def test_serve_is_stopped_on_a_shared_cluster_only_when_no_application_is_left()
 def test_replicas_on_the_node_holding_the_prefix_rank_first() -> None:
     from types import SimpleNamespace
 
-    from kvstore.frontend.deployments import EngineCall
     from kvstore.frontend.routing import PrefixAffinityRouter, rank_by_blocks
+    from kvstore.frontend.serve_replicas import EngineCall
     from kvstore.workers.model.sampling import SamplingParams
 
     replicas = [SimpleNamespace(node_id=n, name=f"r-{n}") for n in ("n2", "n1", "n1", "n3")]
