@@ -1,0 +1,158 @@
+"""``KVStoreConnector``: kvstore as a vLLM v1 KV connector (shared prefix cache across
+instances, and the KV path between prefill and decode instances).
+
+vLLM builds one connector in its scheduler process and one in each worker; both connect to the
+kvstore cluster every kvstore command uses (``kv_connector_extra_config.address``, else
+``RAY_ADDRESS``, else the cluster ``kvstore start`` recorded) and fail at start, in one line
+naming ``kvstore start``, when there is none. ``kv_role``: ``kv_producer`` saves only,
+``kv_consumer`` loads only, ``kv_both`` does both. The scheduler side is
+``scheduler_side.SchedulerSide``, the worker side ``worker_side.WorkerSide``; this class only
+maps vLLM's calls onto them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstore.errors import ConfigError
+from kvstore.integrations.vllm.namespace import (
+    ModelGeometry,
+    checkpoint_fingerprint,
+    namespace,
+    numerics,
+)
+from kvstore.integrations.vllm.plans import StepPlan
+from kvstore.integrations.vllm.scheduler_side import SchedulerSide
+from kvstore.integrations.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+class KVStoreMetadata(KVConnectorMetadata):
+    """One step's plan, from the scheduler side to the workers."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+def geometry_of(config: VllmConfig) -> ModelGeometry:
+    """The instance's KV geometry; configurations whose KV kvstore cannot hold are refused."""
+    model, parallel, cache = config.model_config, config.parallel_config, config.cache_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise ConfigError("KVStoreConnector supports one GPU per instance (tensor and pipeline "
+                          "parallel size 1)")
+    if cache.cache_dtype != "auto":
+        raise ConfigError(f"KVStoreConnector needs the KV cache in the model's dtype "
+                          f"(kv_cache_dtype auto), not {cache.cache_dtype!r}")
+    return ModelGeometry(
+        checkpoint=str(model.model), dtype=str(model.dtype).removeprefix("torch."),
+        block_size=int(cache.block_size), num_layers=model.get_num_layers(parallel),
+        num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size())
+
+
+def device_label(config: VllmConfig) -> str:
+    """Where the instance computes, named the same in its scheduler and worker processes."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type == "cpu":
+        return numerics(torch.device("cpu"), vllm.__version__, "CPU_ATTN")
+    backend = getattr(getattr(config, "attention_config", None), "backend", None) or "auto"
+    return (f"{current_platform.device_type} {current_platform.get_device_name()}|torch "
+            f"{torch.__version__}|vllm {vllm.__version__} {backend}")
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    """vLLM's KV connector over a kvstore cluster."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        from kvstore.cluster.lifecycle import cluster_config, connect
+        from kvstore.config import KVStoreConfig
+        from kvstore.security.data_keys import parse_data_key
+
+        transfer = self._kv_transfer_config
+        extra = dict(transfer.kv_connector_extra_config or {})
+        geometry = geometry_of(vllm_config)
+        fingerprint = checkpoint_fingerprint(geometry.checkpoint)
+        tag = device_label(vllm_config)
+        config = cluster_config(KVStoreConfig(), address=extra.get("address"))
+        data_key = parse_data_key(config.security.data_key)
+        self.namespace_of = functools.lru_cache(maxsize=1024)(
+            lambda salt: namespace(geometry, fingerprint, tag, salt, data_key))
+        self.store = connect(config)
+        save, load = transfer.is_kv_producer, transfer.is_kv_consumer
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(self.store, self.namespace_of,
+                                                geometry.block_size, save=save, load=load)
+        else:
+            self.worker_side = WorkerSide(self.store, self.namespace_of, geometry.num_kv_heads,
+                                          geometry.head_dim)
+
+    # -- worker side ---------------------------------------------------------------------
+    def _worker(self) -> WorkerSide:
+        assert self.worker_side is not None, "a worker-side call on the scheduler's connector"
+        return self.worker_side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker().register(kv_caches)
+
+    def _plan(self) -> StepPlan:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreMetadata)
+        return meta.plan
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker().load(self._plan())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads finish in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return  # saved whole blocks, all layers at once, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._worker().save(self._plan())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker().load_errors() if self.worker_side is not None else set()
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.close()
+        self.store.close()
+
+    # -- scheduler side ------------------------------------------------------------------
+    def _scheduler(self) -> SchedulerSide:
+        assert self.scheduler_side is not None, "a scheduler call on a worker's connector"
+        return self.scheduler_side
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return self._scheduler().matched_tokens(request, num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        self._scheduler().allocated(request, list(blocks.get_block_ids()[0]),
+                                    num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return KVStoreMetadata(self._scheduler().step_plan(scheduler_output))
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler().finished(request.request_id)
+        return False, None

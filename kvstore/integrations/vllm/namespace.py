@@ -1,0 +1,76 @@
+"""The kvstore namespace of a vLLM instance: which other instances may use its blocks.
+
+Blocks are shared only between instances that would compute the same KV bytes: the same
+checkpoint (config and every weight, fingerprinted from the checkpoint's files the way kvstore
+fingerprints a loaded model), dtype, vLLM block size, layers, KV heads and head size, and the
+same arithmetic (the numerics tag: device kind, torch and vLLM versions, attention backend). A
+request's ``cache_salt`` is its tenant: two salts never share a block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvstore.errors import ConfigError
+from kvstore.keys import Namespace
+from kvstore.workers.model.device import device_kind
+from kvstore.workers.model.fingerprint import config_digest, tensor_checksum
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """What a vLLM instance's KV looks like, as its config says."""
+
+    checkpoint: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def checkpoint_fingerprint(checkpoint: str | Path) -> str:
+    """Config and weights of a checkpoint directory: sha256 over the config's digest and, for
+    every tensor of every ``*.safetensors`` file in name order, its name, dtype, shape and
+    device checksum (``kvstore.workers.model.fingerprint``)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    path = Path(checkpoint)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        raise ConfigError(
+            f"the vLLM model {str(checkpoint)!r} is not a local checkpoint directory with "
+            "safetensors weights: kvstore fingerprints the weights it shares KV for, so give "
+            "vLLM the directory (e.g. the Hugging Face snapshot path)")
+    h = hashlib.sha256(config_digest(AutoConfig.from_pretrained(path)).encode())
+    entries: dict[str, bytes] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                tensor = handle.get_tensor(name)
+                entry = f"{tensor.dtype}:{tuple(tensor.shape)}".encode()
+                entries[name] = entry + (tensor_checksum(tensor) if tensor.numel() else b"")
+    for name in sorted(entries):
+        h.update(name.encode())
+        h.update(entries[name])
+    return h.hexdigest()
+
+
+def numerics(device: torch.device, vllm_version: str, attention_backend: str) -> str:
+    """The numerics tag of an instance: who computes KV bitwise alike."""
+    return (f"{device_kind(device)}|torch {torch.__version__}|vllm {vllm_version} "
+            f"{attention_backend}")
+
+
+def namespace(geometry: ModelGeometry, fingerprint: str, tag: str, cache_salt: str | None,
+              data_key: bytes | None = None) -> Namespace:
+    """The namespace of one request of an instance (``cache_salt``: its tenant), keyed with
+    the cluster's data key on a secure cluster, as the store nodes rebuild it."""
+    return Namespace(fingerprint, geometry.dtype, geometry.block_size, geometry.num_layers,
+                     geometry.num_kv_heads, geometry.head_dim, cache_salt or "", numerics=tag,
+                     data_key=data_key)

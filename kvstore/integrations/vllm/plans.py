@@ -1,0 +1,32 @@
+"""What the scheduler side tells the worker side each step: blocks to load and to save.
+
+Plain data that crosses from vLLM's scheduler process to its workers (pickled with the
+connector metadata). A plan names kvstore blocks by key and vLLM blocks by id; the namespace
+travels as its tenant (``cache_salt``): each side builds the same namespace from its own
+``ModelGeometry``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BlockTransfer:
+    """Blocks of one request, in chain order: kvstore key, its parent key, its tokens, and the
+    vLLM block that holds (save) or receives (load) its KV."""
+
+    request_id: str
+    cache_salt: str
+    keys: list[bytes]
+    parents: list[bytes]
+    tokens: list[list[int]]
+    block_ids: list[int]
+
+
+@dataclass
+class StepPlan:
+    """One step's transfers: loads before the forward, saves after it."""
+
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)

@@ -1,0 +1,139 @@
+"""The connector's scheduler side: how much of a prompt kvstore holds, and each step's plan.
+
+vLLM asks, per new request, how many tokens beyond its own prefix-cache hit the connector can
+supply; the answer is the request's longest prefix of full blocks in kvstore, up to the last
+full block before the prompt's final token (vLLM must compute at least one token to sample
+from), as its own prefix cache reuses. Once vLLM has allocated blocks, those tokens become a load
+for the worker side; every full prompt block computed from then on (and any that vLLM had in
+its own cache but kvstore lacks) becomes a save, planned in the step whose forward completes it.
+A lookup that fails (a cluster gone) counts as no hit: the request computes its prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.errors import KVStoreError
+from kvstore.integrations.vllm.plans import BlockTransfer, StepPlan
+from kvstore.keys import BlockHasher, Namespace
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Tracked:
+    """A request the scheduler side follows until it finishes."""
+
+    salt: str
+    tokens: list[int]
+    keys: list[bytes]
+    parents: list[bytes]
+    hit_blocks: int  # kvstore's prefix, in blocks
+    saved_blocks: int  # blocks [0, saved_blocks) are in kvstore or planned: kvstore's prefix
+    # first, so blocks vLLM had in its own cache but kvstore lacks are saved too (resident)
+    local_blocks: int = 0  # vLLM's own prefix-cache hit, in blocks
+    load_blocks: int = 0  # blocks to load from kvstore past the local hit
+    block_ids: list[int] | None = None
+
+
+class SchedulerSide:
+    """Lookups and step plans; ``namespace_of(salt)`` makes a request's namespace."""
+
+    def __init__(self, store: Any, namespace_of: Any, block_size: int, save: bool = True,
+                 load: bool = True) -> None:
+        self.store = store
+        self.namespace_of = namespace_of
+        self.block_size = block_size
+        self.save, self.load = save, load
+        self._requests: dict[str, _Tracked] = {}
+        self._pending_loads: list[str] = []
+
+    # -- lookups -------------------------------------------------------------------------
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        """Tokens kvstore can supply beyond vLLM's own ``num_computed_tokens``."""
+        tracked = self._track(request)
+        tracked.local_blocks = num_computed_tokens // self.block_size
+        extra = tracked.hit_blocks * self.block_size - num_computed_tokens
+        return max(0, extra) if self.load else 0
+
+    def _track(self, request: Any) -> _Tracked:
+        known = self._requests.get(request.request_id)
+        if known is not None:
+            return known
+        salt = request.cache_salt or ""
+        namespace: Namespace = self.namespace_of(salt)
+        tokens = [int(t) for t in (request.prompt_token_ids or [])]
+        keys = [bytes(k) for k in BlockHasher(namespace).block_keys(tokens)]
+        parents = [namespace.root, *keys[:-1]] if keys else []
+        usable = (len(tokens) - 1) // self.block_size  # one token is always computed
+        hit = 0
+        if self.load and usable > 0:
+            try:
+                hit = self.store.lookup_prefix(namespace, keys[:usable]).num_blocks
+            except KVStoreError as exc:
+                log.warning("kvstore lookup failed, computing the prompt: %s", exc)
+        tracked = _Tracked(salt, tokens, keys, parents, hit_blocks=hit, saved_blocks=hit)
+        self._requests[request.request_id] = tracked
+        return tracked
+
+    def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        """vLLM gave the request its blocks; ``num_external_tokens`` of them load from kvstore."""
+        tracked = self._track(request)
+        tracked.block_ids = list(block_ids)
+        tracked.load_blocks = num_external_tokens // self.block_size
+        if tracked.load_blocks:
+            self._pending_loads.append(request.request_id)
+
+    # -- plans ---------------------------------------------------------------------------
+    def step_plan(self, scheduler_output: Any) -> StepPlan:
+        """The loads planned since the last step, and the saves this step's forward allows."""
+        plan = StepPlan()
+        for rid in self._pending_loads:
+            t = self._requests.get(rid)
+            if t is None or t.block_ids is None:
+                continue
+            start, end = t.local_blocks, t.local_blocks + t.load_blocks
+            plan.loads.append(self._transfer(rid, t, start, end))
+        self._pending_loads.clear()
+        if not self.save:
+            return plan
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            t = self._requests.get(new.req_id)
+            if t is not None:
+                t.block_ids = list(new.block_ids[0])
+                self._plan_save(plan, new.req_id, t, new.num_computed_tokens
+                                + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            t = self._requests.get(rid)
+            if t is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if rid in cached.resumed_req_ids or t.block_ids is None:
+                    t.block_ids = list(new_ids[0])
+                else:
+                    t.block_ids.extend(new_ids[0])
+            self._plan_save(plan, rid, t, cached.num_computed_tokens[i] + scheduled.get(rid, 0))
+        return plan
+
+    def _plan_save(self, plan: StepPlan, rid: str, t: _Tracked, computed_after: int) -> None:
+        done = min(computed_after // self.block_size, len(t.keys))
+        if t.block_ids is None or done <= t.saved_blocks:
+            return
+        done = min(done, len(t.block_ids))
+        plan.saves.append(self._transfer(rid, t, t.saved_blocks, done))
+        t.saved_blocks = done
+
+    def _transfer(self, rid: str, t: _Tracked, start: int, end: int) -> BlockTransfer:
+        assert t.block_ids is not None
+        bs = self.block_size
+        return BlockTransfer(
+            rid, t.salt, t.keys[start:end], t.parents[start:end],
+            [t.tokens[i * bs:(i + 1) * bs] for i in range(start, end)], t.block_ids[start:end])
+
+    def finished(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)

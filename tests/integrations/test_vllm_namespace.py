@@ -1,0 +1,70 @@
+"""The namespace of a vLLM instance: same checkpoint and geometry share, anything else not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.errors import ConfigError
+from kvstore.integrations.vllm.namespace import (
+    ModelGeometry,
+    checkpoint_fingerprint,
+    namespace,
+    numerics,
+)
+from kvstore.keys import BlockHasher
+from tests.support.checkpoint import build_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("ck")
+    a = build_checkpoint(root / "a", seed=0, with_tokenizer=False)
+    b = build_checkpoint(root / "b", seed=1, with_tokenizer=False)
+    copy = root / "a-copy"
+    copy.mkdir()
+    for f in a.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    return a, b, copy
+
+
+def test_the_fingerprint_follows_the_weights_not_the_path(checkpoints) -> None:
+    a, b, copy = checkpoints
+    assert checkpoint_fingerprint(a) == checkpoint_fingerprint(copy)
+    assert checkpoint_fingerprint(a) != checkpoint_fingerprint(b)
+
+
+def test_one_changed_config_field_changes_the_fingerprint(checkpoints, tmp_path) -> None:
+    a, _, _ = checkpoints
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    for f in a.iterdir():
+        (edited / f.name).write_bytes(f.read_bytes())
+    config = json.loads((edited / "config.json").read_text())
+    config["rms_norm_eps"] = config.get("rms_norm_eps", 1e-6) * 2
+    (edited / "config.json").write_text(json.dumps(config))
+    assert checkpoint_fingerprint(edited) != checkpoint_fingerprint(a)
+
+
+def test_no_local_weights_is_a_clear_error(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="not a local checkpoint directory"):
+        checkpoint_fingerprint("HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(ConfigError, match="not a local checkpoint directory"):
+        checkpoint_fingerprint(tmp_path)
+
+
+def test_salts_and_numerics_separate_keys() -> None:
+    geometry = ModelGeometry("ck", "float32", 32, 2, 2, 32)
+    tag = numerics(torch.device("cpu"), "0.32.0", "CPU_ATTN")
+    assert "vllm 0.32.0 CPU_ATTN" in tag
+    tokens = list(range(64))
+
+    def keys(salt: str | None, numerics_tag: str = tag) -> list[bytes]:
+        return BlockHasher(namespace(geometry, "f" * 64, numerics_tag, salt)).block_keys(tokens)
+
+    assert keys(None) == keys("")
+    assert keys("tenant-a") != keys("tenant-b") != keys(None)
+    assert keys(None) != keys(None, tag.replace("0.32.0", "0.33.0"))

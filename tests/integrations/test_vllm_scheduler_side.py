@@ -1,0 +1,111 @@
+"""The connector's scheduler side against a real LocalStore: what it tells vLLM it can load,
+and which blocks each step loads and saves. vLLM's request and scheduler-output objects are
+stood in for by plain objects with the fields the connector reads."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from kvstore.api import BlockPut
+from kvstore.client.local_store import LocalStore
+from kvstore.errors import NodeUnavailable
+from kvstore.integrations.vllm.scheduler_side import SchedulerSide
+from kvstore.keys import BlockHasher, Namespace
+
+BS = 4
+
+
+def ns(salt: str) -> Namespace:
+    return Namespace("f" * 64, "float32", BS, 1, 1, 2, salt)
+
+
+def publish(store: LocalStore, tokens: list[int], salt: str = "") -> None:
+    keys = BlockHasher(ns(salt)).block_keys(tokens)
+    parents = [ns(salt).root, *keys[:-1]]
+    store.batch_put(ns(salt), [BlockPut(k, p, tokens[i * BS:(i + 1) * BS],
+                                        torch.zeros(1, 2, BS, 1, 2))
+                               for i, (k, p) in enumerate(zip(keys, parents, strict=True))])
+
+
+def request(rid: str, tokens: list[int], salt: str | None = None) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, prompt_token_ids=tokens, cache_salt=salt)
+
+
+def step(new=(), cached=(), scheduled=None) -> SimpleNamespace:
+    cached = list(cached)
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(ids,), num_computed_tokens=c)
+                            for r, ids, c in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached], resumed_req_ids=set(),
+            new_block_ids=[(ids,) if ids else None for _, ids, _ in cached],
+            num_computed_tokens=[c for _, _, c in cached]),
+        num_scheduled_tokens=scheduled or {})
+
+
+def test_a_cached_prefix_loads_to_its_last_full_block_and_the_rest_is_saved() -> None:
+    store = LocalStore()
+    prompt = list(range(100, 114))  # 3 full blocks and 2 tokens
+    publish(store, prompt[:8])  # kvstore holds 2 blocks
+    side = SchedulerSide(store, ns, BS)
+    req = request("r", prompt)
+    assert side.matched_tokens(req, 0) == 8
+    side.allocated(req, [10, 11, 12, 13], 8)
+    plan = side.step_plan(step(new=[("r", [10, 11, 12, 13], 8)], scheduled={"r": 6}))
+    [load] = plan.loads
+    assert load.block_ids == [10, 11] and load.keys == [bytes(k) for k in
+                                                        BlockHasher(ns("")).block_keys(prompt[:8])]
+    assert load.tokens == [prompt[:4], prompt[4:8]]
+    [save] = plan.saves  # the forward computes tokens 8..13: block 2 completes
+    assert save.block_ids == [12] and save.tokens == [prompt[8:12]]
+    assert save.parents == [load.keys[-1]]
+    again = side.step_plan(step(cached=[("r", None, 14)], scheduled={"r": 1}))
+    assert again.loads == [] and again.saves == []  # nothing new completes, nothing twice
+
+
+def test_a_whole_block_prompt_keeps_one_token_to_compute() -> None:
+    store = LocalStore()
+    prompt = list(range(8))
+    publish(store, prompt)
+    side = SchedulerSide(store, ns, BS)
+    assert side.matched_tokens(request("r", prompt), 0) == 4  # not 8: vLLM samples from one
+
+
+def test_vllms_own_hit_is_not_loaded_again_and_salts_do_not_share() -> None:
+    store = LocalStore()
+    prompt = list(range(50, 63))
+    publish(store, prompt[:12], salt="a")
+    side = SchedulerSide(store, ns, BS)
+    assert side.matched_tokens(request("x", prompt, "a"), 4) == 8
+    assert side.matched_tokens(request("y", prompt, "b"), 0) == 0
+    assert side.matched_tokens(request("z", prompt, "a"), 12) == 0
+
+
+def test_blocks_vllm_had_but_kvstore_lacks_are_saved() -> None:
+    side = SchedulerSide(LocalStore(), ns, BS)
+    prompt = list(range(9))
+    req = request("r", prompt)
+    assert side.matched_tokens(req, 8) == 0  # vLLM's own cache held 2 blocks
+    side.allocated(req, [3, 4, 5], 0)
+    plan = side.step_plan(step(new=[("r", [3, 4, 5], 8)], scheduled={"r": 1}))
+    assert [s.block_ids for s in plan.saves] == [[3, 4]]
+
+
+def test_a_failed_lookup_is_a_miss_and_roles_switch_sides_off() -> None:
+    class Down:
+        def lookup_prefix(self, namespace, keys):
+            raise NodeUnavailable("the cluster went away")
+
+    side = SchedulerSide(Down(), ns, BS)
+    assert side.matched_tokens(request("r", list(range(20))), 0) == 0
+    store = LocalStore()
+    publish(store, list(range(8)))
+    producer = SchedulerSide(store, ns, BS, load=False)
+    assert producer.matched_tokens(request("p", list(range(9))), 0) == 0
+    consumer = SchedulerSide(store, ns, BS, save=False)
+    req = request("c", list(range(13)))
+    consumer.allocated(req, [0, 1, 2, 3], consumer.matched_tokens(req, 0))
+    plan = consumer.step_plan(step(new=[("c", [0, 1, 2, 3], 8)], scheduled={"c": 5}))
+    assert len(plan.loads) == 1 and plan.saves == []
