@@ -23,7 +23,6 @@ if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE = Path(__file__).with_name("vllm_engine.py")
 BLOCK = 32
 SYSTEM = [(i * 37) % 350 + 5 for i in range(300)]  # 9 full blocks and 12 tokens
 QUESTIONS = [[11, 12, 13, 14], [21, 22, 23, 24, 25, 26]]
@@ -55,8 +54,8 @@ def run_engine(env: dict[str, str], checkpoint: str, prompts: list[list[int]],
                salts: list[str | None], role: str | None = "kv_both") -> list[dict]:
     job = {"model": checkpoint, "block_size": BLOCK, "max_tokens": 8, "prompts": prompts,
            "salts": salts, "role": role}
-    done = subprocess.run([sys.executable, str(ENGINE), json.dumps(job)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.vllm_instance", json.dumps(job)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     return json.loads(lines[-1].removeprefix("RESULTS "))

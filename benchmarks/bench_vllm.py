@@ -1,0 +1,142 @@
+"""vLLM with kvstore as its KV connector, against vLLM's own prefix cache, in one run.
+
+One checkpoint built here (random weights; ``--quick``: 8 layers, hidden 256; otherwise
+SmolLM2-135M's shape: 30 layers, hidden 576, 9 heads, 3 KV heads), system prompts each shared
+by two questions, greedy decoding, every vLLM instance pinned to one core
+(``VLLM_CPU_OMP_THREADS_BIND=0``) and a process of its own:
+
+1. no connector: each system's first question cold, its second warm from vLLM's own prefix
+   cache in the same process: the floor a cross-instance hit is measured against;
+2. a kvstore cluster (a private Ray head) and instance A with the connector: the first
+   questions, which publish each system prompt;
+3. a fresh instance B with the connector: the second questions, whose prefix exists only in
+   kvstore.
+
+``ratio_warm_xinstance_vs_local_prefix_cache`` is B's TTFT over the floor's (median over the
+systems); ``cached_tokens_vs_full_blocks`` B's cached tokens over the system prompts' full
+blocks; ``outputs_equal`` B's tokens against the no-connector instance's for the same prompts.
+Mooncake's and LMCache's connectors are not measured here: they do not install beside the
+project (LMCache needs protobuf < 7, kvstore >= 7.36; Mooncake's store needs libibverbs and a
+separate master and client), and no P/D front end for vLLM engines exists yet: the JSON says so
+under ``skipped``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import parse_args, report
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = 32
+SKIPPED = {
+    "ratio_warm_xinstance_vs_mooncake": "Mooncake's store does not install beside kvstore "
+    "(libibverbs, its own master and client processes)",
+    "ratio_warm_xinstance_vs_lmcache": "LMCache 0.5.6 needs protobuf < 7; kvstore needs >= 7.36",
+    "ratio_throughput_pd_vs_single": "no prefill/decode front end for vLLM engines yet",
+}
+
+
+def _flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoint and logs")
+
+
+def build_model(path: Path, quick: bool) -> str:
+    from tests.support.checkpoint import build_checkpoint
+
+    shape = (dict(hidden_size=256, num_hidden_layers=8, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=512) if quick else
+             dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                  num_key_value_heads=3, intermediate_size=1536))
+    return str(build_checkpoint(path, config_overrides=shape))
+
+
+def prompts(quick: bool) -> list[tuple[list[int], list[int]]]:
+    """(system, question) token ids: each system prompt twice, with two questions."""
+    g = torch.Generator().manual_seed(7)
+    sizes = [512] if quick else [512, 1024, 2048]
+    out = []
+    for n in sizes:
+        system = torch.randint(5, 390, (n,), generator=g).tolist()
+        for q in range(2):
+            out.append((system, torch.randint(5, 390, (24 + 8 * q,), generator=g).tolist()))
+    return out
+
+
+def instance(env: dict[str, str], model: str, batch: list[list[int]], role: str | None,
+             max_tokens: int) -> list[dict[str, Any]]:
+    job = {"model": model, "block_size": BLOCK, "max_tokens": max_tokens, "prompts": batch,
+           "salts": [None] * len(batch), "role": role}
+    done = subprocess.run([sys.executable, "-m", "benchmarks.vllm_instance", json.dumps(job)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULTS ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"a vLLM instance failed:\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1].removeprefix("RESULTS "))
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], _flags)
+    work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    env = {**os.environ, "KVSTORE_STATE_DIR": str(work / "state"), "RAY_AUTH_MODE": "disabled",
+           "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
+           "PYTHONPATH": str(ROOT)}
+    model = build_model(work / "model", args.quick)
+    pairs = prompts(args.quick)
+    first = [s + q for i, (s, q) in enumerate(pairs) if i % 2 == 0]
+    second = [s + q for i, (s, q) in enumerate(pairs) if i % 2 == 1]
+    new_tokens = 8 if args.quick else 16
+    plain = instance(env, model, [p for pair in zip(first, second, strict=True) for p in pair],
+                     None, new_tokens)
+    cold, floor = plain[0::2], plain[1::2]
+    kvstore = [sys.executable, "-m", "kvstore.cli"]
+    subprocess.run([*kvstore, "start", "--capacity", "1GiB"], env=env, check=True,
+                   capture_output=True, timeout=300)
+    try:
+        instance(env, model, first, "kv_both", new_tokens)
+        fresh = instance(env, model, second, "kv_both", new_tokens)
+    finally:
+        subprocess.run([*kvstore, "stop"], env=env, capture_output=True, timeout=300)
+    systems = [s for i, (s, _) in enumerate(pairs) if i % 2 == 1]
+    full = sum(len(s) // BLOCK * BLOCK for s in systems)
+    warm_x = statistics.median(r["ttft_s"] for r in fresh)
+    warm_local = statistics.median(r["ttft_s"] for r in floor)
+    cold_s = statistics.median(r["ttft_s"] for r in cold)
+    diff = max(abs(a - b) for x, y in zip(fresh, floor, strict=True)
+               for a, b in zip(x["logprobs"], y["logprobs"], strict=True))
+    figures: dict[str, Any] = {
+        "system_tokens": [len(s) for s in systems], "block_size": BLOCK,
+        "ttft_cold_s": cold_s, "ttft_warm_local_prefix_cache_s": warm_local,
+        "ttft_warm_xinstance_s": warm_x,
+        "ratio_warm_xinstance_vs_local_prefix_cache": warm_x / warm_local,
+        "ratio_cold_vs_warm_xinstance": cold_s / warm_x,
+        "cached_tokens_vs_full_blocks": sum(r["cached"] for r in fresh) / full,
+        "outputs_equal": all(x["tokens"] == y["tokens"] for x, y in
+                             zip(fresh, floor, strict=True)),
+        "max_logprob_diff": diff, "skipped": SKIPPED,
+    }
+    report("vLLM + kvstore connector (CPU, one core per instance)", [
+        ("TTFT cold (s)", f"{cold_s:.3f}", ""),
+        ("TTFT warm, vLLM's own prefix cache (s)", f"{warm_local:.3f}", "the floor"),
+        ("TTFT warm, fresh instance from kvstore (s)", f"{warm_x:.3f}", ""),
+        ("fresh from kvstore / own prefix cache", f"{warm_x / warm_local:.2f}", "<= 1.0"),
+        ("cached tokens / full blocks", f"{figures['cached_tokens_vs_full_blocks']:.2f}", "1.0"),
+        ("outputs = no connector", str(figures["outputs_equal"]), "True"),
+        ("largest logprob difference", f"{diff:.2e}", ""),
+    ], figures, args.json)
+    if not args.keep:
+        subprocess.run(["rm", "-rf", str(work)], check=False)
+
+
+if __name__ == "__main__":
+    main()
