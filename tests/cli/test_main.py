@@ -323,6 +323,20 @@ def test_help_lists_every_subcommand_tested_above() -> None:
                                              "credentials", "rotate-credentials"])
 
 
+def test_help_states_the_defaults() -> None:
+    """``--model``, ``--seed`` and ``--temperature`` say what a command runs with unless told."""
+    commands = _subcommands()
+    for name in ("generate", "prefill", "decode", "serve"):
+        text = " ".join(commands[name].format_help().split())
+        assert "(default: worker.model, tiny)" in text, name
+        assert "weights seed of a random preset (default: worker.seed, 0)" in text, name
+    for name in ("generate", "prefill", "decode", "demo"):
+        text = " ".join(commands[name].format_help().split())
+        assert "sampling temperature (default 0: greedy)" in text, name
+    demo = " ".join(commands["demo"].format_help().split())
+    assert "(default: small)" in demo and "per request (default: 8)" in demo
+
+
 def test_every_flag_has_help_text() -> None:
     missing = [f"{name} {'/'.join(a.option_strings) or a.dest}"
                for name, p in _subcommands().items() for a in p._actions
