@@ -319,7 +319,8 @@ def test_the_start_reported_its_phases(server) -> None:
     ready line."""
     lines = server.log_path.read_text().splitlines()
     ready = next(i for i, ln in enumerate(lines) if ln.startswith("kvstore serve: chat-model"))
-    phases = [ln.split(": ")[1] for ln in lines[:ready] if ln.startswith("kvstore: ")]
+    phases = [ln.removeprefix("kvstore: ").rsplit(": ", 1)[0] for ln in lines[:ready]
+              if ln.startswith("kvstore: ")]
     assert [p.split(" ")[0] for p in phases] == ["checking", "starting", "starting",
                                                  "starting"], lines[:ready]
     assert phases[1] == "starting a private Ray instance"

@@ -185,8 +185,8 @@ def test_demo_piped_prints_one_json_object_and_its_phases_in_order(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(proc.stdout)  # the whole of stdout: one object, nothing else
     assert figures["outputs_match"] is True
-    labels = [line.split(": ")[1] for line in proc.stderr.splitlines()
-              if line.startswith("kvstore: ")]
+    labels = [line.removeprefix("kvstore: ").rsplit(": ", 1)[0]
+              for line in proc.stderr.splitlines() if line.startswith("kvstore: ")]
     assert [label.split(" ")[0] for label in labels] == [
         "loading", "cold", "warm", "warm", "--no-cache", "--no-cache", "--no-cache"]
     assert "\x1b" not in proc.stderr and "Warning" not in proc.stderr
