@@ -63,7 +63,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from kvstore.cluster import operations
-    from kvstore.command_output import output_console
 
     connect(args)
     status = status_json(operations.status())
@@ -71,9 +70,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, default=str, sort_keys=True))
         return 0
-    # --wide is for wide terminals and for grep: never squeeze it into the terminal's width;
-    # off a terminal nothing wraps (the tables are sized to fit 80 columns by themselves)
-    console = Console(soft_wrap=False, width=400) if args.wide else output_console()
+    # --wide is for wide terminals and for grep: never squeeze it into the terminal's width
+    console = Console(soft_wrap=False, width=400 if args.wide else None)
     ident = (lambda s: s) if args.wide else (lambda s: s[:SHORT_ID])
     rows = []
     for n in status["nodes"]:
