@@ -205,6 +205,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.errors import NodeUnavailable
     from kvstore.workers.replicas.placement import replica_gpus
 
+    # Serve's own INFO lines here (started, connecting, ready, deleting) repeat the phases in
+    # another format, one of them a needless alarm about http_options; warnings still show.
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -324,4 +324,5 @@ def test_the_start_reported_its_phases(server) -> None:
     assert [p.split(" ")[0] for p in phases] == ["checking", "starting", "starting",
                                                  "starting"], lines[:ready]
     assert phases[1] == "starting a private Ray instance"
+    assert not [ln for ln in lines[:ready] if ln.startswith("INFO ")]  # Serve's own chatter
     assert phases[3].startswith("starting Ray Serve: 1 prefill and 1 decode replicas")
