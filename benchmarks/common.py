@@ -14,8 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
+
+from kvstore.command_output import output_console
 
 
 def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], object] | None = None
@@ -60,7 +61,7 @@ def report(title: str, rows: list[tuple[str, str, str]], figures: dict[str, Any]
     table.add_column("baseline / target", justify="right")
     for row in rows:
         table.add_row(*row)
-    Console().print(table)
+    output_console().print(table)  # piped or logged: one row a line, never wrapped
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")

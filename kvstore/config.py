@@ -41,7 +41,8 @@ def parse_size(value: str | int) -> int:
         return value
     m = _SIZE.match(str(value))
     if not m:
-        raise ConfigError(f"{value!r} is not a size; write {SIZE_UNITS_HELP}")
+        sign = "a size is > 0: " if str(value).strip().startswith("-") else ""
+        raise ConfigError(f"{value!r} is not a size; {sign}write {SIZE_UNITS_HELP}")
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
 
 

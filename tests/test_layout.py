@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ground", ("kvstore.errors", "kvstore.constants", "kvstore.config", "kvstore.config_loader",
                 "kvstore.command_flags", "kvstore.keys", "kvstore.block", "kvstore.block_batch",
                 "kvstore.api", "kvstore.metrics", "kvstore.reader_metrics", "kvstore.gc_tuning",
-                "kvstore.security", "kvstore.ops", "kvstore.protos")),
+                "kvstore.security", "kvstore.ops", "kvstore.protos", "kvstore.command_output")),
     ("index", ("kvstore.index",)),
     ("node", ("kvstore.node",)),
     ("coordinator", ("kvstore.coordinator",)),

@@ -6,12 +6,15 @@ imports the command itself only when it runs; every subcommand sets
 ``func(args) -> int | None`` with ``set_defaults``.
 
 Every expected failure, wherever it was raised (in this process or inside a Ray actor), prints
-one line ``kvstore: error: ...`` saying what to fix, and exits with the code of its kind;
-``--debug`` adds the traceback:
+one line ``kvstore: error: ...`` saying what to fix, and exits with the code of its kind (a
+usage error argparse finds too: ``kvstore.cli.one_line_parser``); ``--debug`` adds the
+traceback:
 
     0    success
     1    an unexpected failure (a bug): run again with --debug and report the traceback
-    2    bad arguments or settings (ConfigError): fix the flag, file or KVSTORE_* variable
+    2    bad arguments or settings (ConfigError), or settings this machine cannot honour (a
+         --port something listens on, a --capacity /dev/shm has no room for): fix the flag,
+         file or KVSTORE_* variable
     3    no Ray cluster, or kvstore not running on it (ClusterUnavailable, NodeUnavailable)
     4    the Redis index failed: unreachable, wrong or needless password (IndexBackendError)
     5    kvstore already runs with other settings (ClusterConflict): `kvstore stop` first
@@ -25,21 +28,23 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 from kvstore.cli import cache as cache_commands
 from kvstore.cli import credentials as credential_commands
 from kvstore.cli import status as status_command
+from kvstore.cli.one_line_parser import OneLineErrorParser
 from kvstore.command_flags import (
     RUNNING_CLUSTER,
     add_config_flags,
     config_from_flags,
     start_flag_overrides,
 )
+from kvstore.command_output import output_console
 from kvstore.config import KVStoreConfig
 from kvstore.errors import (
     ClusterConflict,
+    ClusterUnavailable,
     ConfigError,
     IndexBackendError,
     KVStoreError,
@@ -51,7 +56,7 @@ from kvstore.errors import (
 OPERATOR_COMMANDS = frozenset({"start", "stop", "status", "ls", "pin", "unpin", "drain",
                                "invalidate", "credentials", "rotate-credentials"})
 
-console = Console()
+console = output_console()
 
 
 def config_from_args(args: argparse.Namespace) -> KVStoreConfig:
@@ -82,6 +87,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     import os
 
     from kvstore.cluster import address, head, lifecycle
+    from kvstore.node.shm_space import check_pool_fits
 
     warn_argv_password(args.redis)
     config = config_from_args(args)
@@ -90,6 +96,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     started_head: address.RecordedCluster | None = None
     target = resolved.address
     if target in (None, address.LOCAL):  # `local` must outlive this command: a head
+        check_pool_fits(config.pool)  # the store node will be on this machine: before the head
         with console.status("no Ray cluster named: starting a local Ray head..."):
             started_head = head.start_head()
         os.environ["RAY_AUTH_MODE"] = started_head.auth_mode
@@ -154,6 +161,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
     resolved = address.resolve(args.address)
     if resolved.address is None:
         address.forget()  # a stale record (the note said so) is of no further use
+        raise ClusterUnavailable("nothing to stop: no Ray cluster is named (--address, "
+                                 "RAY_ADDRESS) or recorded on this machine; to stop kvstore on "
+                                 "another cluster, pass its --address")
     num_killed = lifecycle.stop(config, address=resolved)
     console.print(f"kvstore stopped ({num_killed} actors)")
     rec = address.recorded()
@@ -168,7 +178,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
     """The argument parser; ``with_workers`` adds the worker jobs' and ``serve``'s subcommands."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="kvstore", description="kvstore operator CLI: a distributed KV-cache store on Ray")
     parser.add_argument("--debug", action="store_true",
                         help="on failure, print the traceback too (accepted after the command)")

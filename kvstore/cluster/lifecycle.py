@@ -110,8 +110,10 @@ def ensure_ray(address: str | Resolved | None = None, *, start_local: bool = Tru
     if resolved.recorded is not None and resolved.recorded.auth_mode:
         os.environ.setdefault("RAY_AUTH_MODE", resolved.recorded.auth_mode)
     if not target.startswith("ray://") and not answers(target):
+        # Not "run `kvstore start`": with this address still given, it fails the same way.
+        drop = "leave --address out" if resolved.source == "--address" else "unset RAY_ADDRESS"
         raise ClusterUnavailable(f"no Ray cluster answers at {target} (from "
-                                 f"{resolved.source}): check it, or run `kvstore start`")
+                                 f"{resolved.source}): check it, or {drop}")
     ray.init(address=target, **kwargs)
 
 

@@ -4,8 +4,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or server
 with ``"stream": true``), ``GET /v1/models``, ``GET /health`` (asks one prefill and one decode
 replica), ``GET /metrics`` (Prometheus). With ``serve.api_key`` set, ``/v1/*`` needs
 ``Authorization: Bearer KEY``. Every client error is OpenAI's ``{"error": {...}}`` with a 4xx
-status; a streamed request reports its status before the first byte is sent (the first token is
-computed first), and a failure after that ends the stream with an error event, never a hang.
+status, a path or method no route serves included (FastAPI's own would be ``{"detail": ...}``);
+a streamed request reports its status before the first byte is sent (the first token is computed
+first), and a failure after that ends the stream with an error event, never a hang.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route parameters' types at runtime.
@@ -22,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ray import serve
+from starlette.exceptions import HTTPException
 
 from kvstore.config import KVStoreConfig
 from kvstore.frontend import metrics
@@ -42,6 +44,24 @@ def error_response(exc: APIError) -> JSONResponse:
     # A 503 says when to come back; the openai client honours Retry-After on its retries.
     headers = {"Retry-After": "1"} if exc.status == 503 else None
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+#: The routes, as the error for an unknown path lists them.
+ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health",
+          "GET /metrics")
+
+
+@api.exception_handler(HTTPException)
+async def unrouted(request: Request, exc: HTTPException) -> JSONResponse:
+    """An error FastAPI raises itself, a path or method no route serves (404, 405) above all,
+    answered in OpenAI's shape as OpenAI answers it."""
+    message = str(exc.detail)
+    if exc.status_code in (404, 405):
+        message = (f"Invalid URL ({request.method} {request.url.path}): this server answers "
+                   f"{', '.join(ROUTES)}")
+    response = error_response(APIError(exc.status_code, message))
+    response.headers.update(exc.headers or {})  # 405's Allow
+    return response
 
 
 def _status_label(status: int) -> str:

@@ -4,7 +4,9 @@ On the embedded default (no cluster named, none recorded) it starts a private lo
 coordinator and a store node, as ``kvstore generate`` does, and takes them down again on exit.
 On a running kvstore cluster it deploys the application there and deletes only the application
 on exit. The model is checked in this process first, so a checkpoint the adapter cannot serve
-exactly fails here with its message, before any replica starts.
+exactly fails here with its message, before any replica starts; before even that, a port that
+something else listens on is refused (``check_port``). Each slow step of the start is a phase
+on stderr (``kvstore.command_output``).
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -23,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.command_flags import SERVE_FLAGS, WORKER_FLAGS, config_from_flags, flag_settings
+from kvstore.command_output import Steps
 from kvstore.config import KVStoreConfig, ServeConfig
 from kvstore.errors import ConfigError
 
@@ -127,6 +132,31 @@ def check_model(config: KVStoreConfig, tokenizer_path: str | None) -> None:
         load_worker_model(dataclasses.replace(config.worker, device="cpu"), keep_threads=True)
 
 
+def check_port(host: str, port: int) -> None:
+    """Refuse, before anything slow starts, a ``host:port`` this machine cannot listen on.
+
+    Bound and released at once with ``SO_REUSEADDR``, as the HTTP proxy binds it, so a port
+    whose last connections linger in TIME_WAIT passes and only a listener refuses it. Port 0
+    (any free port) is not checked.
+    """
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(f"port {port} on {host} is already in use: pick a free one "
+                                  "with --port (or serve.port)") from None
+            if exc.errno == errno.EACCES:
+                raise ConfigError(f"port {port} needs privileges to listen on: pick one "
+                                  "above 1023 with --port (or serve.port)") from None
+            raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): check "
+                              "--host and --port (or serve.host, serve.port)") from None
+
+
 def _wait_ready(url: str, stop: threading.Event, gpus_per_replica: float = 0.0) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while not stop.is_set():
@@ -157,8 +187,16 @@ def _shutdown_serve_if_unused(serve: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from kvstore.cluster.address import LOCAL, resolve
+
     config = make_config(args)
-    check_model(config, args.tokenizer)
+    sc = config.serve
+    resolved = resolve(args.address)
+    if not str(resolved.address).startswith("ray://"):  # else the proxy listens elsewhere
+        check_port(sc.host, sc.port)
+    steps = Steps.for_command()
+    with steps.phase(f"checking the model {config.worker.model}"):
+        check_model(config, args.tokenizer)
     import ray
     from ray import serve
 
@@ -167,27 +205,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvstore.errors import NodeUnavailable
     from kvstore.workers.replicas.placement import replica_gpus
 
+    # Serve's own INFO lines here (started, connecting, ready, deleting) repeat the phases in
+    # another format, one of them a needless alarm about http_options; warnings still show.
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    lifecycle.ensure_ray(args.address)
+    with steps.phase("starting a private Ray instance" if resolved.address in (None, LOCAL)
+                     else f"connecting to Ray at {resolved.address}"):
+        lifecycle.ensure_ray(resolved)
     started_cluster = False
-    sc = config.serve
     try:
+        num_prefill = initial_replicas(sc, sc.prefill_replicas)
+        num_decode = initial_replicas(sc, sc.decode_replicas)
         # Decided before anything starts: too few GPUs in the cluster fail here, at once.
-        gpus = replica_gpus(config.worker, initial_replicas(sc, sc.prefill_replicas)
-                            + initial_replicas(sc, sc.decode_replicas))
+        gpus = replica_gpus(config.worker, num_prefill + num_decode)
         try:
             coordinator_handle()
         except NodeUnavailable:  # nothing running: the embedded default
-            lifecycle.start(config)
+            with steps.phase("starting the store (a coordinator and a store node)"):
+                lifecycle.start(config)
             started_cluster = True
-        serve.start(http_options={"host": sc.host, "port": sc.port})
-        serve.run(build_app(config, args.tokenizer, gpus), name=APP_NAME, route_prefix="/",
-                  blocking=False)
         host = "127.0.0.1" if sc.host in ("0.0.0.0", "::") else sc.host
         url = f"http://{host}:{sc.port}"
-        _wait_ready(url, stop, gpus)
+        with steps.phase(f"starting Ray Serve: {num_prefill} prefill and {num_decode} decode "
+                         f"replicas, until {url}/health answers"):
+            serve.start(http_options={"host": sc.host, "port": sc.port})
+            serve.run(build_app(config, args.tokenizer, gpus), name=APP_NAME, route_prefix="/",
+                      blocking=False)
+            _wait_ready(url, stop, gpus)
         if args.ready_file:
             Path(args.ready_file).write_text(url + "\n")
         print(f"kvstore serve: {model_card(config).name} at {url}/v1 "
@@ -198,11 +244,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         stop.wait()
     finally:
-        with contextlib.suppress(Exception):
-            serve.delete(APP_NAME)
-        if started_cluster:  # Serve itself goes with the private Ray
-            lifecycle.stop(config)
-        else:
-            _shutdown_serve_if_unused(serve)
-        ray.shutdown()
+        with steps.phase("stopping the application" + (" and the store" if started_cluster
+                                                       else "")):
+            with contextlib.suppress(Exception):
+                serve.delete(APP_NAME)
+            if started_cluster:  # Serve itself goes with the private Ray
+                lifecycle.stop(config)
+            else:
+                _shutdown_serve_if_unused(serve)
+            ray.shutdown()
     return 0

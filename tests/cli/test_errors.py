@@ -163,3 +163,31 @@ def test_start_failing_in_an_actor_undoes_the_head_it_started(tmp_path: Path) ->
     assert "\x1b" not in proc.stderr and "hidden-pw" not in proc.stderr
     assert address.recorded({address.STATE_DIR_ENV: str(tmp_path)}) is None
     assert not address.answers(head_address)  # the head it started is gone again
+
+
+def test_a_capacity_shm_cannot_hold_is_refused_before_a_head_starts(tmp_path: Path) -> None:
+    from kvstore.node.shm_space import free_bytes
+
+    too_big = free_bytes("/dev/shm") + (1 << 30)
+    proc = run_cli(tmp_path, "start", "--capacity", str(too_big))
+    assert proc.returncode == 2
+    line = one_error_line(proc)  # and no "started a local Ray head" note before it
+    assert "does not fit in /dev/shm" in line and "--capacity" in line
+    assert address.recorded({address.STATE_DIR_ENV: str(tmp_path)}) is None
+
+
+def test_stop_with_nothing_running_says_so_without_suggesting_a_command(tmp_path: Path) -> None:
+    proc = run_cli(tmp_path, "stop")
+    assert proc.returncode == 3
+    line = one_error_line(proc)
+    assert line.startswith("kvstore: error: nothing to stop") and "`kvstore" not in line
+
+
+@pytest.mark.parametrize("command", ["start", "status"])
+def test_an_address_nobody_answers_at_suggests_dropping_it(tmp_path: Path, command: str) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    proc = run_cli(tmp_path, command, "--address", dead)
+    assert proc.returncode == 3
+    line = one_error_line(proc)
+    assert f"no Ray cluster answers at {dead} (from --address)" in line
+    assert line.endswith("check it, or leave --address out")

@@ -68,6 +68,15 @@ def _base_env() -> dict[str, str]:
     (["pin"], "name blocks: full keys"),
     (["pin", "--text", "hello", "ab" * 32], "not both"),
     (["ls", "--limit", "0"], "--limit must be >= 1"),
+    # argparse's own usage errors, in the same one-line form:
+    (["start", "--capacity", "-5GiB"],
+     "pool.capacity_bytes: '-5GiB' is not a size; a size is > 0"),
+    (["start", "--bogus"], "unrecognized arguments: --bogus (`kvstore start --help` lists"),
+    (["start", "--capacity"], "argument --capacity: expected one argument"),
+    (["generate", "--prompts", "p.jsonl", "--temperature", "hot"],
+     "argument --temperature: invalid float value: 'hot' (`kvstore generate --help`"),
+    (["serve", "--port", "http"], "argument --port: invalid int value: 'http'"),
+    ([], "the following arguments are required: COMMAND (`kvstore --help` lists"),
 ])
 def test_bad_input_prints_one_line_and_exits_2(args: list[str], needle: str) -> None:
     proc = run_cli(*args, env=_base_env())
@@ -312,6 +321,20 @@ def test_help_lists_every_subcommand_tested_above() -> None:
                                              "drain", "invalidate", "prefill", "decode",
                                              "generate", "demo", "bench", "serve",
                                              "credentials", "rotate-credentials"])
+
+
+def test_help_states_the_defaults() -> None:
+    """``--model``, ``--seed`` and ``--temperature`` say what a command runs with unless told."""
+    commands = _subcommands()
+    for name in ("generate", "prefill", "decode", "serve"):
+        text = " ".join(commands[name].format_help().split())
+        assert "(default: worker.model, tiny)" in text, name
+        assert "weights seed of a random preset (default: worker.seed, 0)" in text, name
+    for name in ("generate", "prefill", "decode", "demo"):
+        text = " ".join(commands[name].format_help().split())
+        assert "sampling temperature (default 0: greedy)" in text, name
+    demo = " ".join(commands["demo"].format_help().split())
+    assert "(default: small)" in demo and "per request (default: 8)" in demo
 
 
 def test_every_flag_has_help_text() -> None:

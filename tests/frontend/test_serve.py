@@ -305,4 +305,24 @@ def test_every_error_is_openai_shaped(server, client) -> None:
         urllib.request.urlopen(request, timeout=30)
     assert info.value.code == 400
     assert "not valid JSON" in json.loads(info.value.read())["error"]["message"]
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(f"{server.url}/v1/nothing-here", timeout=30)
+    assert info.value.code == 404
+    error = json.loads(info.value.read())["error"]
+    assert error["message"].startswith("Invalid URL (GET /v1/nothing-here)")
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None, None)
     assert health(server)["status"] == "ok"  # nothing above hurt the server
+
+
+def test_the_start_reported_its_phases(server) -> None:
+    """Off a terminal (the log file), one plain line per phase of the start, before the
+    ready line."""
+    lines = server.log_path.read_text().splitlines()
+    ready = next(i for i, ln in enumerate(lines) if ln.startswith("kvstore serve: chat-model"))
+    phases = [ln.removeprefix("kvstore: ").rsplit(": ", 1)[0] for ln in lines[:ready]
+              if ln.startswith("kvstore: ")]
+    assert [p.split(" ")[0] for p in phases] == ["checking", "starting", "starting",
+                                                 "starting"], lines[:ready]
+    assert phases[1] == "starting a private Ray instance"
+    assert not [ln for ln in lines[:ready] if ln.startswith("INFO ")]  # Serve's own chatter
+    assert phases[3].startswith("starting Ray Serve: 1 prefill and 1 decode replicas")

@@ -14,6 +14,13 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstore.command_flags import EMBEDDED_CLUSTER, add_config_flags
+from kvstore.config import WorkerConfig
+
+#: The ``worker`` settings' defaults, as the help texts state them.
+WORKER_DEFAULTS = WorkerConfig()
+#: The demo's own defaults: a model big enough that reuse shows in the time to first token.
+DEMO_MODEL = "small"
+DEMO_MAX_NEW_TOKENS = 8
 
 
 def _lazy(name: str) -> Callable[[argparse.Namespace], int]:
@@ -29,7 +36,24 @@ def _lazy(name: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
-def _common(p: argparse.ArgumentParser, *, prompts: bool = True) -> None:
+def model_help(default: str | None = None) -> str:
+    """``--model``'s help; ``default`` names a command's own default (the demo's), else the
+    ``worker.model`` setting's is stated."""
+    where = default or f"worker.model, {WORKER_DEFAULTS.model}"
+    return f"preset (tiny, small) or a local weights directory (default: {where})"
+
+
+def seed_help() -> str:
+    """``--seed``'s help, with the ``worker.seed`` default."""
+    return f"weights seed of a random preset (default: worker.seed, {WORKER_DEFAULTS.seed})"
+
+
+def _common(p: argparse.ArgumentParser, *, prompts: bool = True,
+            model_default: str | None = None, max_new_default: int | None = None) -> None:
+    """The flags every worker job shares; a command's own defaults (the demo's) are stated in
+    the help where they replace the settings'."""
+    max_new = (f"{max_new_default}" if max_new_default is not None
+               else f"worker.max_new_tokens, {WORKER_DEFAULTS.max_new_tokens}")
     if prompts:
         p.add_argument("--prompts", metavar="FILE.jsonl", required=True,
                        help='one request a line: {"id": ..., "token_ids": [...]}, "text" '
@@ -37,13 +61,14 @@ def _common(p: argparse.ArgumentParser, *, prompts: bool = True) -> None:
     add_config_flags(p, address_fallback=EMBEDDED_CLUSTER)
     p.add_argument("--in-process", action="store_true",
                    help="no Ray: replicas in this process over a LocalStore")
-    p.add_argument("--model", help="preset (tiny, small) or a local weights directory")
-    p.add_argument("--seed", type=int, help="weights seed of a random preset")
+    p.add_argument("--model", help=model_help(model_default))
+    p.add_argument("--seed", type=int, help=seed_help())
     p.add_argument("--sampling-seed", type=int, default=0,
                    help="seed of sampling when --temperature > 0 (default 0)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature (default 0: greedy)")
     p.add_argument("--max-new-tokens", type=int,
-                   help="tokens to generate per request (default: worker.max_new_tokens); "
+                   help=f"tokens to generate per request (default: {max_new}); "
                    "0: prefill and publish only, a cache warm-up")
     p.add_argument("--stop-token-ids", type=int, nargs="*", default=[], metavar="ID",
                    help="token ids that end a request's generation (besides the "
@@ -51,11 +76,14 @@ def _common(p: argparse.ArgumentParser, *, prompts: bool = True) -> None:
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the end-of-sequence tokens of the checkpoint's "
                    "generation_config; only --stop-token-ids")
-    p.add_argument("--block-size", type=int,
-                   help="tokens per cached block (default: worker.block_size, 16)")
-    p.add_argument("--chunk-tokens", type=int, help="prefill chunk (a multiple of block size)")
+    p.add_argument("--block-size", type=int, help="tokens per cached block (default: "
+                   f"worker.block_size, {WORKER_DEFAULTS.block_size})")
+    p.add_argument("--chunk-tokens", type=int, help="prefill chunk, a multiple of the block "
+                   f"size (default: worker.prefill_chunk_tokens, "
+                   f"{WORKER_DEFAULTS.prefill_chunk_tokens})")
     p.add_argument("--salt", help="tenant cache salt")
-    p.add_argument("--threads", type=int, help="torch threads per replica")
+    p.add_argument("--threads", type=int, help="torch threads per replica (default: "
+                   f"worker.num_threads, {WORKER_DEFAULTS.num_threads})")
     device_args(p)
     p.add_argument("--tokenizer", metavar="PATH", help="local tokenizer dir (default: the --model "
                    "directory's own; bytes for presets)")
@@ -107,14 +135,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-cache", action="store_true", help="bypass the store (reference run)")
     p.set_defaults(func=_lazy("cmd_generate"))
     p = subparsers.add_parser("demo", help="shared system prompt: cold vs warm TTFT, exactness")
-    _common(p, prompts=False)
+    _common(p, prompts=False, model_default=DEMO_MODEL, max_new_default=DEMO_MAX_NEW_TOKENS)
     p.add_argument("--system-tokens", type=int, default=1024,
                    help="tokens of the shared system prompt (default 1024)")
     p.add_argument("--requests", type=int, default=4,
                    help="requests sharing the system prompt (default 4)")
     p.add_argument("--suffix-tokens", type=int, default=48,
                    help="tokens of each request's own suffix (default 48)")
-    p.set_defaults(func=_lazy("cmd_demo"), model_default="small", max_new_default=8)
+    p.set_defaults(func=_lazy("cmd_demo"), model_default=DEMO_MODEL,
+                   max_new_default=DEMO_MAX_NEW_TOKENS)
     p = subparsers.add_parser("bench", help="run the benchmarks in benchmarks/")
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run, not numbers")
     p.add_argument("--json-dir", metavar="DIR", help="write each benchmark's JSON here")

@@ -4,7 +4,8 @@ Their parser is ``kvstore.workers.jobs.args``, which imports this module only wh
 runs (this one imports torch); nothing here imports the parser back. Every command runs on the
 running kvstore cluster, or starts an embedded one (local Ray, in-memory index) when none is up;
 ``--in-process`` runs everything in this process on a LocalStore (no Ray at all).
-Progress goes to stderr, so ``--json`` output on stdout stays one JSON object per line.
+Progress goes to stderr (``kvstore.command_output``: live on a terminal, else a plain line per
+phase), so ``--json`` output on stdout stays one JSON object per line.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from kvstore.command_flags import WORKER_FLAGS, config_from_flags, flag_settings
+from kvstore.command_output import Steps, output_console, seconds_text
 from kvstore.config import KVStoreConfig
 from kvstore.errors import ConfigError
 from kvstore.workers.jobs.deployment import Deployment, RequestOutput, parse_resource
@@ -31,8 +32,6 @@ from kvstore.workers.model.causal_lm import generation_stop_ids
 from kvstore.workers.model.sampling import SamplingParams
 from kvstore.workers.model.tokenizer import ByteTokenizer, tokenizer_for
 from kvstore.workers.replicas.request_pipeline import JobKind
-
-err = Console(stderr=True)
 
 
 def make_config(args: argparse.Namespace) -> KVStoreConfig:
@@ -102,7 +101,7 @@ def emit(args: argparse.Namespace, results: list[RequestOutput], title: str) -> 
                       " ".join(n for n in (r.prefill_replica, r.decode_replica) if n),
                       f"({len(r.output_token_ids)}) {toks}"
                       + (" ..." if len(r.output_token_ids) > 8 else ""))
-    (err if args.json else Console()).print(table)
+    output_console(stderr=args.json).print(table)
     if args.output:  # last: a failed write still leaves the results printed above
         write_output(args.output, rows)
 
@@ -117,17 +116,18 @@ def _run(args: argparse.Namespace, kind: JobKind) -> int:
     tokenizer = tokenizer_for(config.worker.model, args.tokenizer)
     prompts = read_prompts(args.prompts, tokenizer)
     sampling = make_sampling(args, config)
+    steps = Steps.for_command(args.json)
     dep = Deployment(config, num_prefill=getattr(args, "prefill_replicas", 1),
                      num_decode=getattr(args, "decode_replicas", 1),
                      mode="inprocess" if args.in_process else "ray", address=args.address,
                      prefill_resources=_resource(getattr(args, "prefill_resource", None)),
-                     decode_resources=_resource(getattr(args, "decode_resource", None)))
+                     decode_resources=_resource(getattr(args, "decode_resource", None)),
+                     steps=steps)
     job: JobKind = "reference" if kind == "generate" and args.no_cache else kind
     try:
-        with Progress(console=err, transient=True) as progress:
-            task = progress.add_task(kind, total=len(prompts))
-            results = dep.run(job, prompts, sampling,
-                              on_done=lambda: progress.advance(task))
+        label = "generate --no-cache" if job == "reference" else kind
+        with steps.counted(label, len(prompts)) as advance:
+            results = dep.run(job, prompts, sampling, on_done=advance)
         reuse = dep.reuse
     finally:
         dep.close()
@@ -154,7 +154,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvstore.workers.jobs.demo import run_demo
 
-    return run_demo(args, make_config(args))
+    return run_demo(args, make_config(args), Steps.for_command(args.json))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -166,13 +166,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
                    or s.stem in args.names]
     if not scripts:
         raise ConfigError(f"no benchmarks found in {root} (names: {args.names or 'all'})")
+    # Lines only, never a spinner: the benchmarks print to the same terminal while they run.
+    steps = Steps.for_command()
     failed = 0
-    for script in scripts:
+    for i, script in enumerate(scripts, 1):
         # As modules from the repository root: benchmarks import benchmarks.common.
         cmd = [sys.executable, "-m", f"benchmarks.{script.stem}"]
         cmd += ["--quick"] if args.quick else []
         if args.json_dir:
             cmd += ["--json", str(Path(args.json_dir) / f"{script.stem}.json")]
-        err.print(f"[bold]{script.stem}[/]")
-        failed += subprocess.run(cmd, cwd=root.parent, check=False).returncode != 0
+        steps.line(f"benchmark {i}/{len(scripts)}: {script.stem}")
+        start = time.monotonic()
+        code = subprocess.run(cmd, cwd=root.parent, check=False).returncode
+        outcome = "done" if code == 0 else f"failed (exit {code})"
+        steps.line(f"{script.stem}: {outcome} in {seconds_text(time.monotonic() - start)}")
+        failed += code != 0
     return 1 if failed else 0

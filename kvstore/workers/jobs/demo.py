@@ -12,9 +12,9 @@ import statistics
 from typing import Any
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
+from kvstore.command_output import Steps, output_console
 from kvstore.config import KVStoreConfig
 from kvstore.workers.jobs.deployment import Deployment
 from kvstore.workers.model.device import resolve_worker
@@ -26,9 +26,12 @@ def make_tokens(n: int, seed: int, vocab: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
-def run_demo(args: argparse.Namespace, config: KVStoreConfig) -> int:
-    """Cold request, then warm requests with other suffixes on other replicas, then checks."""
-    console = Console(stderr=args.json)
+def run_demo(args: argparse.Namespace, config: KVStoreConfig, steps: Steps | None = None
+             ) -> int:
+    """Cold request, then warm requests with other suffixes on other replicas, then checks;
+    each phase reported through ``steps`` (``kvstore.command_output``)."""
+    steps = steps or Steps.silent()
+    console = output_console(stderr=args.json)
     sampling = SamplingParams(max_new_tokens=config.worker.max_new_tokens,
                               temperature=args.temperature, sampling_seed=args.sampling_seed)
     wc = config.worker
@@ -38,19 +41,25 @@ def run_demo(args: argparse.Namespace, config: KVStoreConfig) -> int:
                   f"{args.requests} requests")
     dep = Deployment(config, num_prefill=2, num_decode=1,
                      mode="inprocess" if args.in_process else "ray", address=args.address,
-                     own_ray=True)
+                     own_ray=True, steps=steps)
     try:
         vocab = dep.vocab_size
         system = make_tokens(args.system_tokens, 1, vocab)
         prompts = [system + make_tokens(args.suffix_tokens, 100 + i, vocab)
                    for i in range(args.requests + 1)]
-        with console.status("prefilling the system prompt (cold)"):
+        with steps.phase(f"cold request: prefilling the {args.system_tokens}-token system "
+                         "prompt"):
             outs = [dep.generate("cold", prompts[0], sampling)]
-        with console.status("serving warm requests"):
-            outs += [dep.generate(f"warm-{i}", p, sampling) for i, p in enumerate(prompts[1:])]
-        with console.status("--no-cache reference runs"):
-            refs = [dep.generate(f"ref-{i}", p, sampling, use_cache=False)
-                    for i, p in enumerate(prompts)]
+        with steps.counted("warm requests (the system prompt from the store)",
+                           args.requests) as advance:
+            for i, p in enumerate(prompts[1:]):
+                outs.append(dep.generate(f"warm-{i}", p, sampling))
+                advance()
+        with steps.counted("--no-cache reference runs", len(prompts)) as advance:
+            refs = []
+            for i, p in enumerate(prompts):
+                refs.append(dep.generate(f"ref-{i}", p, sampling, use_cache=False))
+                advance()
     finally:
         dep.close()
     warm = outs[1:]

@@ -7,7 +7,8 @@ up to ``max_in_flight`` requests on every replica at once
 (``kvstore.workers.replicas.request_pipeline``). ``inprocess`` mode shares one LocalStore between
 replicas in this process (tests, and runs without Ray); ``ray`` mode runs replicas as actors on the
 kvstore cluster, starting an embedded one when none is running (``own_ray``: on a private local Ray
-instance, as the demo does).
+instance, as the demo does). The slow parts of a start and a close (Ray, the store, the replicas
+loading their model) are phases of the caller's ``Steps``, so a command shows what it waits for.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Literal, get_args
 
 from kvstore.api import TokenIds
 from kvstore.client.local_store import LocalStore
+from kvstore.command_output import Steps
 from kvstore.config import KVStoreConfig
 from kvstore.errors import ClusterUnavailable, ConfigError, NodeUnavailable
 from kvstore.keys import BlockHasher
@@ -56,7 +58,8 @@ class Deployment:
                  own_ray: bool = False, prefill_resources: dict[str, float] | None = None,
                  decode_resources: dict[str, float] | None = None,
                  max_in_flight: int = MAX_IN_FLIGHT,
-                 start_timeout_s: float = REPLICA_START_TIMEOUT_S) -> None:
+                 start_timeout_s: float = REPLICA_START_TIMEOUT_S,
+                 steps: Steps | None = None) -> None:
         if mode not in MODES:
             raise ConfigError(f"mode must be one of {MODES}, got {mode!r}")
         if num_prefill < 1 or num_decode < 1:
@@ -68,43 +71,37 @@ class Deployment:
                               "--in-process")
         self.config = config
         self.mode = mode
+        self.steps = steps or Steps.silent()
         self.started_cluster = False
         self.started_ray = False
         #: GPUs each Ray replica asked for (``kvstore.workers.replicas.placement``); 0 in-process.
         self.gpus_per_replica = 0.0
+        replicas = (f"{num_prefill} prefill and {num_decode} decode replicas of model "
+                    f"{config.worker.model}")
         if mode == "inprocess":
             self.store: Any = LocalStore()
-            self.prefills: list[Any] = [PrefillWorker(config, lambda: self.store, f"prefill-{i}")
-                                        for i in range(num_prefill)]
-            self.decodes: list[Any] = [DecodeWorker(config, lambda: self.store, f"decode-{i}")
-                                       for i in range(num_decode)]
+            with self.steps.phase(f"loading {replicas} in this process"):
+                self.prefills: list[Any] = [
+                    PrefillWorker(config, lambda: self.store, f"prefill-{i}")
+                    for i in range(num_prefill)]
+                self.decodes: list[Any] = [
+                    DecodeWorker(config, lambda: self.store, f"decode-{i}")
+                    for i in range(num_decode)]
             prefill_nodes = [p.node_id() for p in self.prefills]
             decode_nodes = [d.node_id() for d in self.decodes]
             calls: InlineCalls | RayCalls = InlineCalls()
         else:
-            import ray
-
             from kvstore.cluster import lifecycle
-            from kvstore.cluster.names import RAY_NAMESPACE, coordinator_handle
+            from kvstore.cluster.names import coordinator_handle
 
-            if own_ray and address is None and not ray.is_initialized():
-                # A private local Ray: never attach to someone else's cluster by accident. Its
-                # auth mode is decided here, as for every private instance, so a token file in
-                # ~/.ray does not turn token auth (and Ray's warning about it) on.
-                from kvstore.cluster.address import auth_mode_for_private_ray
-
-                os.environ.setdefault("RAY_AUTH_MODE", auth_mode_for_private_ray())
-                ray.init(address="local", namespace=RAY_NAMESPACE,
-                         include_dashboard=False,
-                         logging_level=logging.WARNING, log_to_driver=False)
-                self.started_ray = True
-            lifecycle.ensure_ray(address)
+            self._connect_ray(address, own_ray)
             # Decided before anything starts: too few GPUs in the cluster fail here, at once.
             self.gpus_per_replica = replica_gpus(config.worker, num_prefill + num_decode)
             try:
                 coordinator_handle()
             except NodeUnavailable:  # nothing running: the embedded default
-                lifecycle.start(config)
+                with self.steps.phase("starting the store (a coordinator and a store node)"):
+                    lifecycle.start(config)
                 self.started_cluster = True
             # What the running cluster hands its clients and this config lacks: the token, the
             # CA and the data key (a secure cluster's keyed namespaces), for every replica too.
@@ -117,12 +114,13 @@ class Deployment:
             # and by GPU.
             pre = replica_actor(PrefillWorker, prefill_resources, self.gpus_per_replica)
             dec = replica_actor(DecodeWorker, decode_resources, self.gpus_per_replica)
-            self.prefills = [pre.remote(config, factory, f"prefill-{i}")
-                             for i in range(num_prefill)]
-            self.decodes = [dec.remote(config, factory, f"decode-{i}")
-                            for i in range(num_decode)]
-            nodes = self._wait_started(start_timeout_s, {"prefill": prefill_resources,
-                                                         "decode": decode_resources})
+            with self.steps.phase(f"starting {replicas}"):
+                self.prefills = [pre.remote(config, factory, f"prefill-{i}")
+                                 for i in range(num_prefill)]
+                self.decodes = [dec.remote(config, factory, f"decode-{i}")
+                                for i in range(num_decode)]
+                nodes = self._wait_started(start_timeout_s, {"prefill": prefill_resources,
+                                                             "decode": decode_resources})
             prefill_nodes, decode_nodes = nodes[:num_prefill], nodes[num_prefill:]
             calls = RayCalls()
         self.namespace = self._call(self.prefills[0], "namespace")
@@ -137,6 +135,32 @@ class Deployment:
                                                          for i, node in enumerate(decode_nodes)])
         self.pipeline = RequestPipeline(calls, self.prefills, self.decodes, self.router,
                                    self.decode_router, max_in_flight, self.reuse["resume"])
+
+    def _connect_ray(self, address: str | None, own_ray: bool) -> None:
+        """Attach to the cluster ``address`` names (``kvstore.cluster.address``), else start a
+        private local Ray: always with ``own_ray``, never someone else's cluster by accident."""
+        import ray
+
+        from kvstore.cluster import lifecycle
+        from kvstore.cluster.address import LOCAL, auth_mode_for_private_ray, resolve
+        from kvstore.cluster.names import RAY_NAMESPACE
+
+        if ray.is_initialized():
+            return
+        if own_ray and address is None:
+            # Its auth mode is decided here, as for every private instance, so a token file in
+            # ~/.ray does not turn token auth (and Ray's warning about it) on.
+            os.environ.setdefault("RAY_AUTH_MODE", auth_mode_for_private_ray())
+            with self.steps.phase("starting a private Ray instance"):
+                ray.init(address="local", namespace=RAY_NAMESPACE, include_dashboard=False,
+                         logging_level=logging.WARNING, log_to_driver=False)
+            self.started_ray = True
+            return
+        resolved = resolve(address)
+        label = ("starting a private Ray instance" if resolved.address in (None, LOCAL)
+                 else f"connecting to Ray at {resolved.address}")
+        with self.steps.phase(label):
+            lifecycle.ensure_ray(resolved)
 
     def _wait_started(self, timeout_s: float,
                       resources: dict[str, dict[str, float] | None]) -> list[str]:
@@ -191,14 +215,16 @@ class Deployment:
         from kvstore.cluster import lifecycle
 
         actors = self.prefills + self.decodes
-        with contextlib.suppress(Exception):  # a dead replica is killed below all the same
-            ray.get([actor.close.remote() for actor in actors], timeout=30)
-        for actor in actors:
-            ray.kill(actor)
-        if self.started_cluster:
-            lifecycle.stop(self.config)
-        if self.started_ray:
-            ray.shutdown()
+        with self.steps.phase("stopping the replicas"
+                              + (" and the store" if self.started_cluster else "")):
+            with contextlib.suppress(Exception):  # a dead replica is killed below all the same
+                ray.get([actor.close.remote() for actor in actors], timeout=30)
+            for actor in actors:
+                ray.kill(actor)
+            if self.started_cluster:
+                lifecycle.stop(self.config)
+            if self.started_ray:
+                ray.shutdown()
 
 
 def parse_resource(spec: str) -> dict[str, float]:

@@ -9,7 +9,6 @@ names exactly the blocks a prefill of that prompt publishes.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 from kvstore.config import KVStoreConfig
@@ -34,10 +33,7 @@ def worker_namespace(config: KVStoreConfig) -> Namespace:
 
     wc = config.worker
     model = load_worker_model(wc)
-    with warnings.catch_warnings():  # the reuse probe's library deprecation notes: not ours
-        warnings.simplefilter("ignore", FutureWarning)
-        return Engine(model, None, wc,
-                      data_key=parse_data_key(config.security.data_key)).namespace
+    return Engine(model, None, wc, data_key=parse_data_key(config.security.data_key)).namespace
 
 
 def read_prompt_tokens(prompts_path: str | None, text: str | None,

@@ -15,6 +15,7 @@ attend over keys padded to the chunk's end.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -55,6 +56,19 @@ PRESETS: dict[str, dict[str, Any]] = {
                       max_position_embeddings=32768, rope_theta=500000.0,
                       initializer_range=0.02),
 }
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The name ``model.forward`` takes its KV cache by: ``cache``, the current transformers 5.x
+    name, or ``past_key_values`` for a model written before the rename.
+
+    Passing the old name to a renamed ``forward`` still works, but transformers warns that it
+    will be removed; asking the signature (which sees through transformers' renaming
+    decorator) keeps the adapter on the interface the installed version has.
+    """
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
 
 @dataclass(slots=True)
 class ModelShape:
@@ -102,6 +116,8 @@ class CausalLM:
             raise ConfigError(f"model {name!r} has layers of type {', '.join(other)} "
                               "(config layer_types); kvstore blocks need full attention in "
                               "every layer")
+        #: The keyword the model's ``forward`` takes its cache by (``cache_keyword``).
+        self.cache_keyword = cache_keyword(self.model)
         self._check_cache_layout()
         # Computed once at load, on the weights' device (kvstore.workers.model.fingerprint).
         self.fingerprint = model_fingerprint(model)
@@ -182,12 +198,13 @@ class CausalLM:
         if pad_rows_to is not None and pad_rows_to > num_real:
             ids += [0] * (pad_rows_to - num_real)
             keep = torch.tensor([num_real - 1])
-        extra = {} if pad_keys_to is None else {"kv_pad_to": pad_keys_to}
+        kwargs: dict[str, Any] = {self.cache_keyword: cache}
+        if pad_keys_to is not None:
+            kwargs["kv_pad_to"] = pad_keys_to
         input_ids = torch.tensor([ids], dtype=torch.long).to(self.device, non_blocking=True)
         if isinstance(keep, torch.Tensor):
             keep = keep.to(self.device, non_blocking=True)
-        out = self.model(input_ids=input_ids, past_key_values=cache,
-                         use_cache=True, logits_to_keep=keep, **extra)
+        out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=keep, **kwargs)
         if len(ids) > num_real:
             cache.crop(num_real - len(ids))
         logits = out.logits[0, -1].float()

@@ -31,7 +31,7 @@ def perturbed_deep(model, below_rows: int, past: int):
     state = {"past": 0}
 
     def before(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         state["past"] = cache.get_seq_length() if cache is not None else 0
 
     def hook(module, inputs, output):

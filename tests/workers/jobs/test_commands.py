@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -158,3 +159,49 @@ def test_a_failed_write_keeps_the_results(tmp_path):
         import os
 
         os.unlink(rescue)
+
+
+def test_json_stdout_is_exactly_json_and_the_phases_go_to_stderr(tmp_path, capsys):
+    prompts = write_prompts(tmp_path / "p.jsonl",
+                            [{"id": f"q{i}", "token_ids": make_prompt(20, seed=i)}
+                             for i in range(3)])
+    assert main(["generate", "--prompts", prompts, *FLAGS]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]  # every line, unfiltered
+    assert [r["id"] for r in rows] == ["q0", "q1", "q2"]
+    phases = [line for line in err.splitlines() if line.startswith("kvstore: ")]
+    assert phases[0].startswith("kvstore: loading 1 prefill and 1 decode replicas of model "
+                                "tiny in this process: ")
+    assert phases[-1].startswith("kvstore: generate: 3/3 requests (")
+
+
+def test_demo_piped_prints_one_json_object_and_its_phases_in_order(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "kvstore.cli.main", "demo", *FLAGS,
+                           "--system-tokens", "64", "--requests", "2", "--suffix-tokens", "8"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout)  # the whole of stdout: one object, nothing else
+    assert figures["outputs_match"] is True
+    labels = [line.removeprefix("kvstore: ").rsplit(": ", 1)[0]
+              for line in proc.stderr.splitlines() if line.startswith("kvstore: ")]
+    assert [label.split(" ")[0] for label in labels] == [
+        "loading", "cold", "warm", "warm", "--no-cache", "--no-cache", "--no-cache"]
+    assert "\x1b" not in proc.stderr and "Warning" not in proc.stderr
+
+
+def test_demo_on_a_terminal_shows_each_phase_done(capsys, monkeypatch):
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    flags = [f for f in FLAGS if f != "--json"]
+    assert main(["demo", *flags, "--system-tokens", "64", "--requests", "2",
+                 "--suffix-tokens", "8"]) == 0
+    out, err = capsys.readouterr()
+    err = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", err)  # the terminal's colours and cursor
+    for phase in ("✓ loading 2 prefill and 1 decode replicas of model tiny",
+                  "✓ cold request: prefilling the 64-token system prompt",
+                  "✓ warm requests (the system prompt from the store): 2 requests",
+                  "✓ --no-cache reference runs: 3 requests"):
+        assert phase in err
+    assert "cold TTFT" in out and "✓" not in out

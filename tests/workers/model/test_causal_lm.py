@@ -128,3 +128,18 @@ def test_layer_types_other_than_full_attention_are_refused():
     cfg = LlamaConfig(**PRESETS["tiny"], layer_types=["full_attention", "chunked_attention"])
     with pytest.raises(ConfigError, match="layer_types"):
         CausalLM(LlamaForCausalLM(cfg), "float32", "chunked")
+
+
+def test_forward_uses_the_current_cache_keyword_and_warns_nothing(tiny):
+    """transformers renamed ``forward``'s ``past_key_values`` to ``cache`` and warns on the old
+    name; the adapter passes whichever name the loaded model's ``forward`` takes."""
+    import warnings
+
+    from kvstore.workers.model.causal_lm import cache_keyword
+
+    assert tiny.cache_keyword == "cache"
+    assert cache_keyword(_LatentAttention()) == "past_key_values"  # written before the rename
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = load_model("tiny", seed=0)  # the load runs one token to check the cache layout
+        model.forward(make_prompt(20), model.new_cache(), pad_keys_to=32, pad_rows_to=32)
