@@ -30,6 +30,7 @@ from rich.table import Table
 
 from kvstore.cli import cache as cache_commands
 from kvstore.cli import credentials as credential_commands
+from kvstore.cli import doctor as doctor_command
 from kvstore.cli import status as status_command
 from kvstore.command_flags import (
     RUNNING_CLUSTER,
@@ -49,7 +50,7 @@ from kvstore.errors import (
 #: Subcommands defined here; for these the parser is built without the worker and serve
 #: subcommands, whose parsers an operator command has no use for.
 OPERATOR_COMMANDS = frozenset({"start", "stop", "status", "ls", "pin", "unpin", "drain",
-                               "invalidate", "credentials", "rotate-credentials"})
+                               "invalidate", "credentials", "rotate-credentials", "doctor"})
 
 console = Console()
 
@@ -153,6 +154,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     resolved = address.resolve(args.address)
     if resolved.address is None:
+        stale = address.recorded()
+        if stale is not None and stale.head_pid is not None:
+            head.stop_head(stale)  # a head of ours that died still leaves its temp dir
         address.forget()  # a stale record (the note said so) is of no further use
     num_killed = lifecycle.stop(config, address=resolved)
     console.print(f"kvstore stopped ({num_killed} actors)")
@@ -198,6 +202,7 @@ def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
     status_command.register(sub)
     cache_commands.register(sub)
     credential_commands.register(sub)
+    doctor_command.register(sub)
 
     if with_workers:
         # Torch-free parsers: each command's own module is imported when the command runs.
@@ -248,6 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(with_workers=command not in OPERATOR_COMMANDS)
     args = parser.parse_args(argv)
     try:
+        if command in OPERATOR_COMMANDS and command != "doctor":  # doctor lists them first
+            doctor_command.sweep_and_say(args)  # RAM a crashed run left: kvstore.cli.doctor
         return int(args.func(args) or 0)
     except (Exception, KeyboardInterrupt) as raised:
         exc: BaseException = raised
