@@ -94,9 +94,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         with console.status("no Ray cluster named: starting a local Ray head..."):
             started_head = head.start_head()
         os.environ["RAY_AUTH_MODE"] = started_head.auth_mode
+        head.keep_loopback_address()  # it listens on 127.0.0.1 only
         target = started_head.address
-        _note(f"started a local Ray head at {target} (auth: {started_head.auth_mode}); "
-              "`kvstore stop` stops it")
+        _note(f"started a local Ray head at {target} (on loopback: reachable from this "
+              f"machine only; Ray auth {started_head.auth_mode}); `kvstore stop` stops it")
     try:
         with console.status("starting the coordinator and one store node per Ray node..."):
             info = lifecycle.start(config, start_local=False, address=resolved if
