@@ -88,7 +88,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                   f"{size_text(t['capacity_bytes'])}, {t['blocks']} blocks, hit rate "
                   f"{t['hit_rate']:.1%}, {t['evictions']} evictions")
     console.print(security_line(status["security"]))
-    console.print(ray_line(status["ray"]), soft_wrap=True)  # one line, for grep too
+    console.print(ray_line(status["ray"]))
     _print_workers(console, status.get("workers") or [], wide=args.wide)
     drift = status.get("drift")
     if drift and any(drift.values()):
@@ -130,13 +130,12 @@ def ray_line(reach: dict[str, Any]) -> str:
     where = f"ray: {reach['gcs_address']}"
     auth = reach.get("auth_mode") or "disabled"
     if reach.get("loopback"):
-        return f"{where}, every node on loopback: reachable from this machine only (auth {auth})"
+        return f"{where}, loopback only: reachable from this machine only"
     nodes = ", ".join(reach.get("node_ips") or []) or "?"
     if auth == "token":
-        return f"{where}, nodes on {nodes}: on the network, Ray token auth on"
-    return (f"[yellow]{where}, nodes on {nodes}: on the network with Ray auth {auth}; anyone "
-            "who reaches it can run code as its user (RAY_AUTH_MODE=token, docs/security.md)"
-            "[/yellow]")
+        return f"{where} on the network (nodes {nodes}), Ray token auth on"
+    return (f"[yellow]{where} on the network (nodes {nodes}) with Ray auth {auth}: anyone "
+            "reaching it runs code as its user (docs/security.md)[/yellow]")
 
 
 def _exactness(w: dict[str, Any]) -> str:
