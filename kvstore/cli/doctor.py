@@ -196,7 +196,8 @@ def _print(found: Findings, shm: list[str]) -> None:
     stale = found.recorded_state == "head gone"
     if leftovers or stale:
         total = arena_files.size_text(sum(a.nbytes for a in leftovers))
-        print(f"leftovers: {len(leftovers)} arenas ({total})"
+        arenas = "arena" if len(leftovers) == 1 else "arenas"
+        print(f"leftovers: {len(leftovers)} {arenas} ({total})"
               f"{', a recorded head that is gone' if stale else ''}: `kvstore doctor --fix` "
               "removes them")
     else:
