@@ -32,6 +32,7 @@ from rich.table import Table
 
 from kvstore.cli import cache as cache_commands
 from kvstore.cli import credentials as credential_commands
+from kvstore.cli import doctor as doctor_command
 from kvstore.cli import status as status_command
 from kvstore.cli.one_line_parser import OneLineErrorParser
 from kvstore.command_flags import (
@@ -54,7 +55,7 @@ from kvstore.errors import (
 #: Subcommands defined here; for these the parser is built without the worker and serve
 #: subcommands, whose parsers an operator command has no use for.
 OPERATOR_COMMANDS = frozenset({"start", "stop", "status", "ls", "pin", "unpin", "drain",
-                               "invalidate", "credentials", "rotate-credentials"})
+                               "invalidate", "credentials", "rotate-credentials", "doctor"})
 
 console = output_console()
 
@@ -100,9 +101,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         with console.status("no Ray cluster named: starting a local Ray head..."):
             started_head = head.start_head()
         os.environ["RAY_AUTH_MODE"] = started_head.auth_mode
+        head.keep_loopback_address()  # it listens on 127.0.0.1 only
         target = started_head.address
-        _note(f"started a local Ray head at {target} (auth: {started_head.auth_mode}); "
-              "`kvstore stop` stops it")
+        _note(f"started a local Ray head at {target} (on loopback: reachable from this "
+              f"machine only; Ray auth {started_head.auth_mode}); `kvstore stop` stops it")
     try:
         with console.status("starting the coordinator and one store node per Ray node..."):
             info = lifecycle.start(config, start_local=False, address=resolved if
@@ -160,6 +162,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     resolved = address.resolve(args.address)
     if resolved.address is None:
+        stale = address.recorded()
+        if stale is not None and stale.head_pid is not None:
+            head.stop_head(stale)  # a head of ours that died still leaves its temp dir
         address.forget()  # a stale record (the note said so) is of no further use
         raise ClusterUnavailable("nothing to stop: no Ray cluster is named (--address, "
                                  "RAY_ADDRESS) or recorded on this machine; to stop kvstore on "
@@ -208,6 +213,7 @@ def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
     status_command.register(sub)
     cache_commands.register(sub)
     credential_commands.register(sub)
+    doctor_command.register(sub)
 
     if with_workers:
         # Torch-free parsers: each command's own module is imported when the command runs.
@@ -258,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(with_workers=command not in OPERATOR_COMMANDS)
     args = parser.parse_args(argv)
     try:
+        if command in OPERATOR_COMMANDS and command != "doctor":  # doctor lists them first
+            doctor_command.sweep_and_say(args)  # RAM a crashed run left: kvstore.cli.doctor
         return int(args.func(args) or 0)
     except (Exception, KeyboardInterrupt) as raised:
         exc: BaseException = raised

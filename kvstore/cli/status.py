@@ -67,6 +67,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     connect(args)
     status = status_json(operations.status())
     status["security"] = operations.security()
+    status["ray"] = operations.ray_reach()
     if args.json:
         print(json.dumps(status, default=str, sort_keys=True))
         return 0
@@ -87,6 +88,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                   f"{size_text(t['capacity_bytes'])}, {t['blocks']} blocks, hit rate "
                   f"{t['hit_rate']:.1%}, {t['evictions']} evictions")
     console.print(security_line(status["security"]))
+    console.print(ray_line(status["ray"]))
     _print_workers(console, status.get("workers") or [], wide=args.wide)
     drift = status.get("drift")
     if drift and any(drift.values()):
@@ -121,6 +123,19 @@ def security_line(sec: dict[str, Any]) -> str:
     if not sec.get("auth"):
         line += " (loopback only: the single-machine default)"
     return line
+
+
+def ray_line(reach: dict[str, Any]) -> str:
+    """One line: where Ray itself answers and with what auth (``operations.ray_reach``)."""
+    where = f"ray: {reach['gcs_address']}"
+    auth = reach.get("auth_mode") or "disabled"
+    if reach.get("loopback"):
+        return f"{where}, loopback only: reachable from this machine only"
+    nodes = ", ".join(reach.get("node_ips") or []) or "?"
+    if auth == "token":
+        return f"{where} on the network (nodes {nodes}), Ray token auth on"
+    return (f"[yellow]{where} on the network (nodes {nodes}) with Ray auth {auth}: anyone "
+            "reaching it runs code as its user (docs/security.md)[/yellow]")
 
 
 def _exactness(w: dict[str, Any]) -> str:

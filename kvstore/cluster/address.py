@@ -42,6 +42,7 @@ class RecordedCluster:
     auth_mode: str
     head_pid: int | None = None  # set when kvstore started the head (and so stops it)
     temp_dir: str | None = None
+    loopback: bool = False  # the head binds 127.0.0.1 only (kvstore.cluster.head)
 
 
 @dataclass(slots=True)

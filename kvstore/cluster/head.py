@@ -6,6 +6,15 @@ second head on the machine would collide on), its temp dir is private, and its a
 decided explicitly (``address.auth_mode_for_private_ray``). It is stopped by its process group
 and the processes naming its temp dir, never by ``ray stop``, which stops every Ray instance of
 the user on the machine.
+
+It is private to this machine. ``--node-ip-address=127.0.0.1`` alone is not enough: Ray
+replaces a loopback node address with the machine's network address
+(``ray._private.services.resolve_ip_for_localhost``) unless ``LOOPBACK_ENV`` marks the head a
+single-machine one; with 127.0.0.1 kept, every server of the head binds loopback only,
+so nothing of it answers from the network (``tests/cluster/test_head.py`` checks that from
+another network namespace) and its store nodes bind loopback and stay plain as documented.
+Every process that joins it as a driver needs the same switch (``keep_loopback_address``):
+Ray rewrites the ``127.0.0.1`` of the address it is given, too.
 """
 
 from __future__ import annotations
@@ -25,6 +34,9 @@ from kvstore.errors import ClusterUnavailable
 
 #: How long the head has to accept connections before `kvstore start` gives up.
 HEAD_START_TIMEOUT_S = 90.0
+#: Ray's switch for single-machine clusters: its node address stays the loopback address
+#: given, instead of becoming the machine's network address; workers inherit it.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def _free_port() -> int:
@@ -45,6 +57,21 @@ def head_command(port: int, temp_dir: str) -> list[str]:
             *(f"--{name}={value}" for name, value in ports.items())]
 
 
+def keep_loopback_address() -> None:
+    """Make this process, and every process it starts, keep 127.0.0.1 as Ray's address of
+    this machine: what a driver of a head from ``start_head`` needs. Without it Ray rewrites
+    ``127.0.0.1:PORT`` to the machine's network address, where nothing of that head listens.
+
+    Ray reads the switch from the environment when it is imported, so the imported value is
+    set as well. Only for a loopback head: on a cluster, workers on other machines must reach
+    a driver at an address of the network.
+    """
+    from ray._private import ray_constants
+
+    os.environ.update(LOOPBACK_ENV)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def start_head(extra_args: Sequence[str] = ()) -> RecordedCluster:
     """Start a private Ray head on this machine and wait until its GCS answers.
 
@@ -62,14 +89,14 @@ def start_head(extra_args: Sequence[str] = ()) -> RecordedCluster:
     log_dir = state_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "ray-head.log"
-    env = {**os.environ, "RAY_AUTH_MODE": auth_mode}
+    env = {**os.environ, "RAY_AUTH_MODE": auth_mode, **LOOPBACK_ENV}
     env.pop("RAY_ADDRESS", None)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([*head_command(port, temp_dir), *extra_args],
                                 stdin=subprocess.DEVNULL,
                                 stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
-    head = RecordedCluster(f"127.0.0.1:{port}", auth_mode, proc.pid, temp_dir)
+    head = RecordedCluster(f"127.0.0.1:{port}", auth_mode, proc.pid, temp_dir, loopback=True)
     deadline = time.monotonic() + HEAD_START_TIMEOUT_S
     while not answers(head.address, timeout_s=1.0):
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -47,6 +47,7 @@ from kvstore.cluster.credentials import (
     with_certificate,
     with_redis_password,
 )
+from kvstore.cluster.head import keep_loopback_address
 from kvstore.cluster.names import (
     COORDINATOR_NAME,
     RAY_NAMESPACE,
@@ -109,6 +110,8 @@ def ensure_ray(address: str | Resolved | None = None, *, start_local: bool = Tru
     target = str(resolved.address)
     if resolved.recorded is not None and resolved.recorded.auth_mode:
         os.environ.setdefault("RAY_AUTH_MODE", resolved.recorded.auth_mode)
+    if resolved.recorded is not None and resolved.recorded.loopback:
+        keep_loopback_address()  # a head `kvstore start` made: it listens on loopback only
     if not target.startswith("ray://") and not answers(target):
         # Not "run `kvstore start`": with this address still given, it fails the same way.
         drop = "leave --address out" if resolved.source == "--address" else "unset RAY_ADDRESS"

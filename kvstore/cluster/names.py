@@ -3,8 +3,9 @@
 Everything is a named actor in the Ray namespace ``kvstore``, so any process on the cluster finds
 it by name: the coordinator (``kvstore-coordinator``), the store nodes
 (``kvstore-store-<ray node id>``) and the watcher (``kvstore-watcher``). Arena files carry the
-Ray node id and the pid, so a restarted store node never maps its dead predecessor's file and
-``kvstore stop`` can sweep exactly this cluster's files.
+Ray node id and their owner process (``kvstore.node.arena_files``), so a restarted store node
+never maps its dead predecessor's file, ``kvstore stop`` can sweep exactly this cluster's files,
+and any kvstore command can remove the files of owners that are gone.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import time
 from typing import Any
 
 from kvstore.errors import ClusterUnavailable
+from kvstore.node import arena_files
 
 RAY_NAMESPACE = "kvstore"
 COORDINATOR_NAME = "kvstore-coordinator"
 WATCHER_NAME = "kvstore-watcher"
 STORE_PREFIX = "kvstore-store-"
-ARENA_PREFIX = "kvstore-arena-"
+ARENA_PREFIX = arena_files.ARENA_PREFIX
 
 
 def store_actor_name(node_id: str) -> str:
@@ -28,8 +30,9 @@ def store_actor_name(node_id: str) -> str:
 
 
 def arena_name(node_id: str) -> str:
-    """The arena file name of a store node; the pid keeps a restarted node off its old file."""
-    return f"{arena_stem(node_id)}-{os.getpid()}"
+    """The arena file name of this process's store node: the owner recorded in it keeps a
+    restarted node off its predecessor's file and lets a later sweep judge the file."""
+    return arena_files.owned_name(node_id[:16])
 
 
 def arena_stem(node_id: str) -> str:

@@ -36,6 +36,31 @@ def security() -> dict[str, Any]:
     return summary(running) if running is not None else {}
 
 
+def ray_reach() -> dict[str, Any]:
+    """Who can reach Ray itself: its GCS address, its nodes' addresses, whether all of them
+    are loopback (then nothing of Ray answers from the network: ``kvstore.cluster.head``), and
+    the Ray auth mode this process runs with. Anyone who reaches a Ray that has auth disabled
+    can run code as its user, so ``kvstore status`` shows this beside kvstore's own security."""
+    from kvstore.cluster.credentials import is_loopback
+
+    gcs = str(ray.get_runtime_context().gcs_address)
+    ips = sorted({str(n.get("NodeManagerAddress", "")) for n in ray.nodes() if n.get("Alive")})
+    return {"gcs_address": gcs, "node_ips": ips, "auth_mode": _ray_auth_mode(),
+            "loopback": is_loopback(gcs.rpartition(":")[0]) and all(map(is_loopback, ips))}
+
+
+def _ray_auth_mode() -> str:
+    try:
+        from ray._private.authentication.authentication_utils import (
+            get_authentication_mode_name,
+        )
+        from ray._raylet import get_authentication_mode  # type: ignore[attr-defined]
+
+        return str(get_authentication_mode_name(get_authentication_mode()))
+    except ImportError:  # a Ray without token auth
+        return "disabled"
+
+
 def pin(keys: Sequence[bytes], *, hard: bool = True, ttl_s: float | None = None,
         ahead: bool = False) -> tuple[int, int]:
     """Pin blocks (hard: never evicted; soft: evicted last, after ``ttl_s``).

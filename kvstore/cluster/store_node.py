@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -31,7 +29,7 @@ from kvstore.api import NodeAddress, PoolStats
 from kvstore.block import BlockHeader, verify_block_self
 from kvstore.client.node_client import StoreNodeClient
 from kvstore.cluster.evicting_pool import EvictingPool as EvictingPool
-from kvstore.cluster.names import arena_glob, arena_name, coordinator_handle
+from kvstore.cluster.names import arena_name, coordinator_handle
 from kvstore.config import ClientConfig, KVStoreConfig, ServerConfig
 from kvstore.coordinator.index_service import FastPath, NoAnswer
 from kvstore.errors import BlockCorrupted, BlockMismatch, KVStoreError, NodeUnavailable, PoolFull
@@ -39,6 +37,7 @@ from kvstore.gc_tuning import freeze_startup_objects
 from kvstore.index.base import IndexEntry
 from kvstore.index.factory import make_index
 from kvstore.index.packed import PackedEntries
+from kvstore.node.arena_files import freed_line, sweep_leftovers
 from kvstore.node.block_pool import BlockPool
 from kvstore.node.grpc_setup import bind_node_ip
 from kvstore.node.store_server import StoreServer
@@ -64,9 +63,12 @@ class StoreNode:
         ctx = ray.get_runtime_context()
         self.node_id: str = ctx.get_node_id()
         ip = ray.util.get_node_ip_address()
-        swept = sweep_stale_arenas(config.pool.shm_dir, self.node_id)
-        if swept:
-            log.warning("removed %d arena file(s) of dead store nodes on this node", swept)
+        # A predecessor killed by SIGKILL (OOM killer, ray.kill, its head's end) could not
+        # unlink its arena: RAM on tmpfs, so a crash-looping node would eat the machine's
+        # memory one capacity at a time. Only files whose owner is certainly gone go.
+        freed = freed_line(sweep_leftovers(config.pool.shm_dir))
+        if freed:
+            log.warning("store node %s: %s", self.node_id[:12], freed)
         self.pool = BlockPool(config.pool.capacity_bytes, shm_dir=config.pool.shm_dir,
                               name=arena_name(self.node_id))
         self._lock = threading.Lock()
@@ -377,39 +379,6 @@ def fetch_verified(source: NodeAddress, keys: Sequence[bytes], config: ClientCon
         except (BlockCorrupted, BlockMismatch) as exc:
             log.warning("kvstore replica rejected: %s", exc)
     return out
-
-
-def sweep_stale_arenas(shm_dir: str, node_id: str) -> int:
-    """Unlink arena files an earlier, dead store node of this Ray node left behind.
-
-    A store node killed by SIGKILL (OOM killer, node restart, ``ray.kill``) cannot unlink its
-    arena, and the file is RAM on tmpfs: without this sweep a crash-looping node would eat the
-    machine's memory one capacity at a time. Files whose pid is alive are left alone.
-    """
-    removed = 0
-    for path in glob.glob(arena_glob(shm_dir, node_id)):
-        try:
-            pid = int(path.rsplit("-", 1)[1])
-        except ValueError:
-            continue
-        if pid == os.getpid() or _pid_alive(pid):
-            continue
-        try:
-            os.unlink(path)
-            removed += 1
-        except FileNotFoundError:
-            pass
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def start_node_metrics(config: ServerConfig, ip: str, node_id: str,

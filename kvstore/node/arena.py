@@ -27,6 +27,7 @@ import secrets
 import weakref
 
 from kvstore.constants import align_up
+from kvstore.node.arena_files import owned_name
 
 _PAGE = mmap.PAGESIZE
 
@@ -117,7 +118,9 @@ class Arena:
         if not os.path.isdir(shm_dir):
             raise ValueError(f"shm_dir {shm_dir!r} is not a directory (use /dev/shm on Linux)")
         self.capacity = align_up(capacity)
-        name = name or f"kvstore-{os.getpid()}-{secrets.token_hex(4)}"
+        # Named after its owner (kvstore.node.arena_files), so the file left by a crash is
+        # found and removed by the next kvstore command.
+        name = name or owned_name(secrets.token_hex(8))
         self.path = os.path.join(shm_dir, name)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         # Unlink even if the owner forgets close() or crashes between here and close().

@@ -302,7 +302,7 @@ def _imported(stderr: str) -> set[str]:
 
 @pytest.mark.parametrize("command", [[], *([name] for name in sorted(
     ["start", "stop", "status", "ls", "pin", "unpin", "drain", "invalidate", "prefill",
-     "decode", "generate", "demo", "bench"]))])
+     "decode", "generate", "demo", "bench", "doctor"]))])
 def test_every_help_imports_no_worker_stack(command: list[str]) -> None:
     """`kvstore [COMMAND] --help` as typed: exit 0, usage printed, torch/transformers/ray never
     imported (they cost seconds; Python's own import report says what was loaded)."""
@@ -320,7 +320,7 @@ def test_help_lists_every_subcommand_tested_above() -> None:
     assert sorted(_subcommands()) == sorted(["start", "stop", "status", "ls", "pin", "unpin",
                                              "drain", "invalidate", "prefill", "decode",
                                              "generate", "demo", "bench", "serve",
-                                             "credentials", "rotate-credentials"])
+                                             "credentials", "rotate-credentials", "doctor"])
 
 
 def test_help_states_the_defaults() -> None:

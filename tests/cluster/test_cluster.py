@@ -453,15 +453,16 @@ def test_sweep_removes_only_dead_store_nodes_arenas(tmp_path):
     import sys
 
     from kvstore.cluster.names import arena_name
-    from kvstore.cluster.store_node import sweep_stale_arenas
+    from kvstore.node.arena_files import ProcessIdentity, owned_name, sweep_leftovers, this_process
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
+    me = this_process()
     node = "ab" * 20
-    stale = tmp_path / f"kvstore-arena-{node[:16]}-{dead.pid}"
+    stale = tmp_path / owned_name(node[:16], ProcessIdentity(dead.pid, 1, me.pid_namespace))
     live = tmp_path / arena_name(node)  # this process: alive
-    other = tmp_path / f"kvstore-arena-{'cd' * 8}-{dead.pid}"  # another Ray node's file
+    other = tmp_path / f"kvstore-arena-{'cd' * 8}-{dead.pid}"  # no owner recorded: not judged
     for f in (stale, live, other):
         f.write_bytes(b"x")
-    assert sweep_stale_arenas(str(tmp_path), node) == 1
+    assert sweep_leftovers(str(tmp_path)).num_freed == 1
     assert not stale.exists() and live.exists() and other.exists()

@@ -44,8 +44,8 @@ def test_readme_session_is_the_documented_path() -> None:
 def _env(state_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "RAY_"))}
     env[address.STATE_DIR_ENV] = str(state_dir)
-    # The head `kvstore start` makes binds this machine's address, so the start is secure and
-    # makes its secrets: in the test's own directory, never the operator's ~/.ray/kvstore.
+    # The head `kvstore start` makes binds loopback, so the start is plain; were it ever
+    # secure, its secrets go to the test's own directory, never the operator's ~/.ray/kvstore.
     env["KVSTORE_SECURITY_SECRETS_DIR"] = str(state_dir.parent / "secrets")
     return env
 

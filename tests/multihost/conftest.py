@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.node import arena_files
 from tests.multihost import netns
 from tests.multihost.harness import (
     GENERATE_FLAGS,
@@ -54,7 +55,9 @@ def network(work_dir: Path) -> Iterator[netns.Network]:
     _require_netns()
     netns.cleanup_stale()
     # The hosts share /dev/shm; arenas of store nodes this session kills with their host (RAM
-    # on tmpfs) are removed at the end. Files that were there before are not ours to touch.
+    # on tmpfs) are removed at the end. Files that were there before are not ours to touch, nor
+    # are new ones whose owner is alive in this namespace (another run's store node): the
+    # hosts' owners count in PID namespaces of their own, which are gone with the hosts.
     before = set(glob.glob("/dev/shm/kvstore-arena-*"))
     net = netns.create(3, work_dir / "hosts")
     try:
@@ -62,6 +65,9 @@ def network(work_dir: Path) -> Iterator[netns.Network]:
     finally:
         net.destroy()
         for path in set(glob.glob("/dev/shm/kvstore-arena-*")) - before:
+            arena = arena_files.parse(path)
+            if arena is not None and arena_files.owner_state(arena.owner) == "alive":
+                continue
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 

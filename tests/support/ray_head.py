@@ -8,14 +8,18 @@ makes Ray place actors by GPU and set their ``CUDA_VISIBLE_DEVICES`` as on a GPU
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import ray
+from ray._private import ray_constants
 
 from kvstore.cluster.address import RecordedCluster
-from kvstore.cluster.head import start_head, stop_head
+from kvstore.cluster.head import LOOPBACK_ENV, keep_loopback_address, start_head, stop_head
 from kvstore.cluster.names import RAY_NAMESPACE
+
+(LOOPBACK_VARIABLE,) = LOOPBACK_ENV
 
 
 @contextmanager
@@ -29,12 +33,20 @@ def connected_ray_head(*ray_start_args: str, num_cpus: int = 2) -> Iterator[Reco
     if had_ray_local:
         ray.shutdown()
     head = start_head((f"--num-cpus={num_cpus}", *ray_start_args))
+    loopback_before = ray_constants.ENABLE_RAY_CLUSTER, os.environ.get(LOOPBACK_VARIABLE)
     try:
+        keep_loopback_address()  # the head listens on 127.0.0.1 only, as `kvstore start`'s
         ray.init(address=head.address, namespace=RAY_NAMESPACE, log_to_driver=False)
         yield head
     finally:
         ray.shutdown()
         stop_head(head)
+        # Later modules' Ray instances in this process are the usual ones again.
+        ray_constants.ENABLE_RAY_CLUSTER = loopback_before[0]
+        if loopback_before[1] is None:
+            os.environ.pop(LOOPBACK_VARIABLE, None)
+        else:
+            os.environ[LOOPBACK_VARIABLE] = loopback_before[1]
         if had_ray_local:
             ray.init(address="local", num_cpus=2, include_dashboard=False,
                      namespace="kvstore-tests")

@@ -1,0 +1,138 @@
+"""The Ray head `kvstore start` makes for the user is private: nothing of it answers off-machine.
+
+The head is started as a user starts it (`kvstore start`, a subprocess, no cluster named). A
+second host is a network namespace on a private bridge (``tests/multihost/netns``): the bridge's
+address in this namespace is how another machine on the network would reach this one. From
+there, no port that the head's processes listen on (the GCS, the raylet, the store node's gRPC
+and bulk ports, the coordinator's index service, ...) accepts a connection; a listener of the
+test's own on every interface does, so the path itself is known to work.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.cluster import address, head
+from tests.multihost import netns
+from tests.support.processes import process_tree
+
+pytestmark = pytest.mark.timeout(300)
+
+KVSTORE = [sys.executable, "-m", "kvstore.cli.main"]
+
+#: Run inside the other host: try each port of TARGET once, 2 s at most each.
+PROBE = """
+import json, socket, sys
+target, ports = sys.argv[1], json.loads(sys.argv[2])
+seen = {}
+for port in ports:
+    try:
+        with socket.create_connection((target, port), timeout=2):
+            seen[port] = "answers"
+    except OSError as exc:
+        seen[port] = type(exc).__name__
+print(json.dumps(seen))
+"""
+
+
+def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*KVSTORE, *args], capture_output=True, text=True, env=env,
+                          timeout=180)
+
+
+def listening(pids: set[int]) -> list[tuple[str, int]]:
+    """``(address, port)`` of every TCP socket the processes ``pids`` listen on (``ss``)."""
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        owners = {int(p) for p in re.findall(r"pid=(\d+),", line)}
+        if owners & pids:
+            local = line.split()[3]
+            host, _, port = local.rpartition(":")
+            found.append((host.strip("[]").split("%")[0], int(port)))
+    return found
+
+
+def on_loopback(host_ip: str) -> bool:
+    """127.0.0.0/8 or ::1, also as an IPv4-mapped IPv6 address (``::ffff:127.0.0.1``)."""
+    ip = ipaddress.ip_address(host_ip)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+@pytest.fixture
+def other_host(tmp_path: Path) -> Iterator[tuple[netns.Host, str]]:
+    """One namespace host and the address this namespace has on its bridge."""
+    try:
+        netns.check_prerequisites()
+    except netns.NetnsUnavailable as exc:
+        if os.environ.get("KVSTORE_REQUIRE_NETNS") == "1":
+            pytest.fail(f"KVSTORE_REQUIRE_NETNS=1 but {exc}")
+        pytest.skip(str(exc))
+    netns.cleanup_stale()
+    net = netns.create(1, tmp_path / "hosts")
+    try:
+        yield net.hosts[0], net.gateway
+    finally:
+        net.destroy()
+
+
+@pytest.mark.skipif(shutil.which("ray") is None, reason="the ray CLI is not on PATH")
+def test_the_local_head_answers_nothing_from_another_host(
+        tmp_path: Path, other_host: tuple[netns.Host, str]) -> None:
+    host, this_machine = other_host
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "RAY_"))}
+    env[address.STATE_DIR_ENV] = str(tmp_path / "state")
+    env["KVSTORE_SECURITY_SECRETS_DIR"] = str(tmp_path / "secrets")
+    env["RAY_AUTH_MODE"] = "disabled"  # every process of this test: the head's comes from here
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    control = socket.create_server(("0.0.0.0", 0))  # answers from the other host, if any does
+    rec = None
+    try:
+        started = run_cli("start", "--capacity", "8MiB", env=env)
+        rec = address.recorded(env)
+        assert started.returncode == 0, started.stderr
+        assert rec is not None and rec.head_pid is not None and rec.temp_dir
+        assert "reachable from this machine only" in started.stderr
+        assert "security: off" in started.stdout  # store nodes on loopback: plain, as documented
+
+        status = run_cli("status", "--json", env=env)
+        assert status.returncode == 0, status.stderr
+        facts = json.loads(status.stdout)
+        assert facts["ray"]["loopback"] and facts["ray"]["node_ips"] == ["127.0.0.1"]
+        assert not facts["security"]["auth"]
+        shown = " ".join(run_cli("status", env=env).stdout.split())
+        assert "reachable from this machine only" in shown and "loopback only" in shown
+
+        gcs_port = int(rec.address.rpartition(":")[2])
+        store_port = int(facts["nodes"][0]["address"].rpartition(":")[2])
+        sockets = listening({p.pid for p in process_tree(rec.head_pid)})  # workers included
+        ports = sorted({port for _, port in sockets})
+        assert gcs_port in ports and store_port in ports, sockets
+        assert [s for s in sockets if not on_loopback(s[0])] == []
+
+        control_port = control.getsockname()[1]
+        probe = subprocess.run(
+            host.argv(sys.executable, "-c", PROBE, this_machine,
+                      json.dumps([control_port, *ports])),
+            capture_output=True, text=True, timeout=30 + 3 * len(ports))
+        assert probe.returncode == 0, probe.stderr
+        seen = {int(port): result for port, result in json.loads(probe.stdout).items()}
+        assert seen.pop(control_port) == "answers"  # the other host does reach this machine
+        assert "answers" not in seen.values(), seen
+    finally:
+        control.close()
+        if rec is not None:
+            run_cli("stop", env=env)
+            head.stop_head(rec)  # whatever `stop` left, by its process group and temp dir
