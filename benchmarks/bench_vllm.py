@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -91,6 +92,14 @@ def main() -> None:
     env = {**os.environ, "KVSTORE_STATE_DIR": str(work / "state"), "RAY_AUTH_MODE": "disabled",
            "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
            "PYTHONPATH": str(ROOT)}
+    try:
+        run(args, env, work)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
     model = build_model(work / "model", args.quick)
     pairs = prompts(args.quick)
     first = [s + q for i, (s, q) in enumerate(pairs) if i % 2 == 0]
@@ -100,8 +109,10 @@ def main() -> None:
                      None, new_tokens)
     cold, floor = plain[0::2], plain[1::2]
     kvstore = [sys.executable, "-m", "kvstore.cli"]
-    subprocess.run([*kvstore, "start", "--capacity", "1GiB"], env=env, check=True,
-                   capture_output=True, timeout=300)
+    started = subprocess.run([*kvstore, "start", "--capacity", "1GiB"], env=env,
+                             capture_output=True, text=True, timeout=300)
+    if started.returncode != 0:
+        raise SystemExit(f"kvstore start failed: {started.stderr.strip().splitlines()[-1:]}")
     try:
         instance(env, model, first, "kv_both", new_tokens)
         fresh = instance(env, model, second, "kv_both", new_tokens)
@@ -134,8 +145,6 @@ def main() -> None:
         ("outputs = no connector", str(figures["outputs_equal"]), "True"),
         ("largest logprob difference", f"{diff:.2e}", ""),
     ], figures, args.json)
-    if not args.keep:
-        subprocess.run(["rm", "-rf", str(work)], check=False)
 
 
 if __name__ == "__main__":
