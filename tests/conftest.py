@@ -102,9 +102,11 @@ def ray_local() -> Iterator[None]:
     """One local Ray instance for the whole session (2 CPUs, no dashboard)."""
     import ray
 
+    from tests.support.local_ray import init_local_ray
+
     if not ray.is_initialized():
         # address="local": always a private instance, never one another process left running.
-        ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="kvstore-tests")
+        init_local_ray(num_cpus=2, include_dashboard=False, namespace="kvstore-tests")
     yield
     ray.shutdown()
 

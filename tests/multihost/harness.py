@@ -200,12 +200,43 @@ def boot_cluster(net: Network, logs: Path) -> RayCluster:
     prepare_redis(cluster)
     cluster.redis = start_redis(cluster)
     start_node(cluster, cluster.head)
-    for host in net.hosts[1:]:
-        start_node(cluster, host)
+    start_workers(cluster, net.hosts[1:])
     want = {h.ip for h in net.hosts}
     wait_for(lambda: want <= set(alive_nodes(cluster)), 120, f"Ray nodes {sorted(want)} alive",
              interval=2)
     return cluster
+
+
+#: Tries per worker host. Ray gives a raylet 30 s to register with the GCS
+#: (ray/_private/node.py, not configurable); on a loaded 2-core CI box a start can miss it and
+#: `ray start` exits, as an operator's would. The operator starts it again; so does this.
+WORKER_START_TRIES = 3
+
+
+def start_workers(cluster: RayCluster, hosts: list[Host], timeout: float = 180.0) -> None:
+    """Start Ray on ``hosts`` and wait until the GCS lists each alive. A host whose `ray start`
+    exited first is restarted as a fresh host (its PID 1 killed: nothing of the failed try
+    lingers), up to WORKER_START_TRIES starts each."""
+    procs = {host.name: start_node(cluster, host) for host in hosts}
+    tries = dict.fromkeys(procs, 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = set(alive_nodes(cluster))
+        waiting = [h for h in hosts if h.ip not in alive]
+        if not waiting:
+            return
+        for host in waiting:
+            if procs[host.name].poll() is None:
+                continue
+            if tries[host.name] >= WORKER_START_TRIES:
+                raise RuntimeError(f"`ray start` on {host.name} exited {tries[host.name]} "
+                                   f"times; see {cluster.logs / f'ray-{host.name}.log'}")
+            host.kill()
+            host.boot()
+            procs[host.name] = start_node(cluster, host)
+            tries[host.name] += 1
+        time.sleep(1.0)
+    raise TimeoutError(f"Ray nodes on {[h.name for h in hosts]} not alive after {timeout:.0f}s")
 
 
 # --- kvstore steps: the CLI contract (`kvstore start/status/generate`) and probe.py ---

@@ -104,7 +104,24 @@ def wait_healthy(before: dict[str, Any], num_nodes: int, timeout_s: float,
         out["since_fault_s"] = round(time.time() - since, 2)
     if not ok:
         out["lost"] = lost_blocks(before, now) if "error" not in now else {}
+        out["why"] = unhealthy_because(now, num_nodes, gone, out["lost"])
     return out
+
+
+def unhealthy_because(now: dict[str, Any], num_nodes: int, gone: frozenset[str],
+                      lost: dict[str, Any]) -> str:
+    """One line first in a failure message (CI shows only its head): which condition failed."""
+    if "error" in now:
+        return f"no snapshot: {now['error']}"
+    ips = sorted({n["ip"] for n in now.values()})
+    reasons = []
+    if len(now) != num_nodes or len(ips) != num_nodes:
+        reasons.append(f"{len(now)} store nodes on {ips}, want {num_nodes}")
+    if gone & set(now):
+        reasons.append(f"gone nodes still registered: {sorted(gone & set(now))}")
+    if lost:
+        reasons.append(f"blocks lost: {lost}")
+    return "; ".join(reasons)
 
 
 def alive_ips() -> list[str]:

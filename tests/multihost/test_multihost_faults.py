@@ -27,7 +27,7 @@ from tests.multihost.harness import (
     read_rows,
     redis_ping,
     restart_redis,
-    start_node,
+    start_workers,
     wait_for,
 )
 
@@ -70,8 +70,8 @@ def wait_healthy(cluster: RayCluster, before: Path, gone: tuple[str, ...] = (),
     extra = ["--since", repr(since)] if since is not None else []
     result = probe(cluster, "wait-healthy", "--nodes", str(NUM_HOSTS), "--before", str(before),
                    "--timeout", str(timeout), *extra, "--gone", *gone, timeout=timeout + 60)
-    assert result["ok"], f"not restored after {result['elapsed_s']}s: lost " \
-                         f"{result.get('lost')}, now {result['snapshot']}"
+    assert result["ok"], f"not restored after {result['elapsed_s']}s: {result.get('why')}; " \
+                         f"now {result['snapshot']}"
     return result
 
 
@@ -89,7 +89,7 @@ def restart_host(cluster: RayCluster, index: int) -> None:
     host = cluster.net.hosts[index]
     host.kill()
     host.boot()
-    start_node(cluster, host)
+    start_workers(cluster, [host])
 
 
 def lose_h2_during_job(cluster: RayCluster, name: str, files: dict[str, Path],
@@ -171,8 +171,8 @@ def test_coordinator_killed_and_restarted(kvstore_cluster: RayCluster,
                    str(snap), "--timeout", "90", timeout=240)
     assert killed["new_epoch"] != killed["old_epoch"]
     healthy = killed["healthy"]
-    assert healthy["ok"], f"not restored after {healthy['elapsed_s']}s: lost " \
-                          f"{healthy.get('lost')}, now {healthy['snapshot']}"
+    assert healthy["ok"], f"not restored after {healthy['elapsed_s']}s: " \
+                          f"{healthy.get('why')}; now {healthy['snapshot']}"
     recovery_log["coordinator_answers_s"] = killed["answers_after_s"]
     recovery_log["coordinator_nodes_reannounced_s"] = healthy["since_fault_s"]
     assert_exact(finish(job, output), reference)

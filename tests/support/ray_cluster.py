@@ -22,6 +22,7 @@ from kvstore.cluster.names import RAY_NAMESPACE, store_actor_name
 from kvstore.config import KVStoreConfig
 from kvstore.config_loader import load_config
 from kvstore.keys import BlockHasher, Namespace
+from tests.support.local_ray import init_local_ray, start_surviving_slow
 
 NS = Namespace("test-cluster-model", "float32", 16, 2, 2, 64)
 BLOCK = block_nbytes(NS)  # 33088 bytes: ~250 blocks fill an 8 MiB pool
@@ -53,8 +54,9 @@ def ray_cluster() -> Iterator[tuple[Any, list[str]]]:
     had_ray_local = ray.is_initialized()
     if had_ray_local:
         ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    c.add_node(num_cpus=1)
+    c = start_surviving_slow(lambda: Cluster(initialize_head=True, head_node_args={"num_cpus": 2}),
+                             what="the cluster's head")
+    start_surviving_slow(lambda: c.add_node(num_cpus=1), what="the cluster's second node")
     c.wait_for_nodes()
     ray.init(address=c.address, namespace=RAY_NAMESPACE, log_to_driver=False)
     head = ray.get_runtime_context().get_node_id()
@@ -65,7 +67,7 @@ def ray_cluster() -> Iterator[tuple[Any, list[str]]]:
         ray.shutdown()
         c.shutdown()
         if had_ray_local:
-            ray.init(num_cpus=2, include_dashboard=False, namespace="kvstore-tests")
+            init_local_ray(num_cpus=2, include_dashboard=False, namespace="kvstore-tests")
         if saved is None:
             os.environ.pop("RAY_AUTH_MODE", None)
         else:

@@ -18,6 +18,7 @@ from ray._private import ray_constants
 from kvstore.cluster.address import RecordedCluster
 from kvstore.cluster.head import LOOPBACK_ENV, keep_loopback_address, start_head, stop_head
 from kvstore.cluster.names import RAY_NAMESPACE
+from tests.support.local_ray import init_local_ray
 
 (LOOPBACK_VARIABLE,) = LOOPBACK_ENV
 
@@ -48,5 +49,5 @@ def connected_ray_head(*ray_start_args: str, num_cpus: int = 2) -> Iterator[Reco
         else:
             os.environ[LOOPBACK_VARIABLE] = loopback_before[1]
         if had_ray_local:
-            ray.init(address="local", num_cpus=2, include_dashboard=False,
-                     namespace="kvstore-tests")
+            init_local_ray(num_cpus=2, include_dashboard=False,
+                           namespace="kvstore-tests")

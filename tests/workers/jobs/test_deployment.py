@@ -14,6 +14,7 @@ from kvstore.workers.jobs.deployment import Deployment
 from kvstore.workers.model.causal_lm import load_model
 from kvstore.workers.model.sampling import SamplingParams
 from kvstore.workers.replicas.router import ReplicaSlot, Router
+from tests.support.local_ray import init_local_ray
 
 SAMPLING = SamplingParams(max_new_tokens=5)
 
@@ -112,8 +113,8 @@ def ray_private():
 
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False,
-             namespace="kvstore", log_to_driver=False)
+    init_local_ray(num_cpus=2, num_gpus=0, include_dashboard=False,
+                   namespace="kvstore", log_to_driver=False)
     yield
     ray.shutdown()
 

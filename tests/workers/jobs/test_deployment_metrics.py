@@ -15,6 +15,7 @@ from kvstore.block import block_nbytes
 from kvstore.keys import BlockHasher
 from kvstore.workers.jobs.deployment import Deployment
 from kvstore.workers.model.causal_lm import load_model
+from tests.support.local_ray import init_local_ray
 from tests.workers.jobs.test_deployment import SAMPLING, make_config, make_prompt
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -29,8 +30,8 @@ def ray_private() -> Iterator[None]:
         ray.shutdown()
     saved = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="kvstore",
-             log_to_driver=False)
+    init_local_ray(num_cpus=2, include_dashboard=False, namespace="kvstore",
+                   log_to_driver=False)
     try:
         yield
     finally:
