@@ -96,6 +96,11 @@ class PoolStats:
     hits: int
     misses: int
     evictions: int
+    # The disk tier under the arena (kvstore.node.tiered_pool); all 0 when the node has none.
+    disk_capacity_bytes: int = 0
+    disk_used_bytes: int = 0
+    disk_blocks: int = 0
+    disk_hits: int = 0
 
 
 @dataclass(slots=True)

@@ -270,6 +270,17 @@ def _read_header(view: memoryview) -> tuple[BlockHeader, int]:
     return header, hlen
 
 
+def stated_nbytes(buf: object) -> tuple[BlockHeader, int]:
+    """A block's header and the whole size its layout says the block has (no payload check):
+    what a disk tier compares a file's length with before it trusts the file at all."""
+    header, hlen = _read_header(_as_bytes_view(buf))
+    dtype = DTYPES.get(header.dtype) if isinstance(header.dtype, str) else None
+    dims = (header.num_layers, 2, header.block_size, header.num_kv_heads, header.head_dim)
+    if dtype is None or not all(isinstance(d, int) and d > 0 for d in dims):
+        raise BlockCorrupted(f"block {header.key.hex()[:16]} header has no valid layout")
+    return header, align_up(_LEN.size + hlen) + math.prod(dims) * dtype.itemsize
+
+
 def verify_block_self(buf: object, key: bytes) -> BlockHeader:
     """Check a block on its own terms, for copies of a namespace the copier does not know.
 

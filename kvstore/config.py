@@ -57,11 +57,48 @@ class PoolConfig:
 
     capacity_bytes: int = 1 << 30
     shm_dir: str = "/dev/shm"
+    # The disk tier under the arena (kvstore.node.tiered_pool): blocks evicted for space are
+    # written here instead of dropped, and found again after a restart. None: no disk tier.
+    # One directory per store node (a second node on the same directory runs without one).
+    disk_dir: str | None = None
+    disk_capacity_bytes: int = 0  # required with disk_dir; the tier never holds more
+    # Bytes of evicted blocks waiting for the disk writer; past this, demotions are dropped
+    # (counted as kvstore_tier_drops{reason="queue_full"}) rather than waited for.
+    disk_queue_bytes: int = 256 << 20
+    # fdatasync every block file before it becomes visible: survives a power cut, costs a
+    # device flush per block. Off: a kill or crash still exposes only whole blocks (write,
+    # then rename), and a file a power cut tore fails verification and is a miss.
+    disk_fsync: bool = False
+    # How block files are read back (kvstore.node.disk_reads): "direct" (O_DIRECT through an
+    # aligned buffer: no page-cache copy kept; falls back to "buffered" where the filesystem
+    # refuses it) or "buffered" (the page cache, dropped after each read). bench_tier measures
+    # both on the disk it is given.
+    disk_read_path: str = "direct"
 
     def __post_init__(self) -> None:
         self.capacity_bytes = parse_size(self.capacity_bytes)
         _check(self.capacity_bytes > 0, "pool.capacity_bytes must be > 0 (e.g. 4GiB)")
         _check(os.path.isdir(self.shm_dir), f"pool.shm_dir {self.shm_dir!r} is not a directory")
+        self.disk_capacity_bytes = parse_size(self.disk_capacity_bytes)
+        self.disk_queue_bytes = parse_size(self.disk_queue_bytes)
+        if self.disk_dir:
+            _check(self.disk_capacity_bytes > 0, "pool.disk_dir needs pool.disk_capacity_bytes "
+                   "(--disk-capacity), e.g. 100GiB")
+            _check(not os.path.exists(self.disk_dir) or os.path.isdir(self.disk_dir),
+                   f"pool.disk_dir {self.disk_dir!r} exists and is not a directory")
+        _check(self.disk_capacity_bytes >= 0, "pool.disk_capacity_bytes must be >= 0")
+        # A capacity with nowhere to put it is a forgotten --disk-dir, not a wish for none.
+        _check(bool(self.disk_dir) or not self.disk_capacity_bytes,
+               "pool.disk_capacity_bytes needs pool.disk_dir (--disk-dir): where the disk "
+               "tier's files go")
+        _check(self.disk_queue_bytes > 0, "pool.disk_queue_bytes must be > 0 (e.g. 256MiB)")
+        _check(self.disk_read_path in ("direct", "buffered"),
+               f"pool.disk_read_path must be 'direct' or 'buffered', got {self.disk_read_path!r}")
+
+    @property
+    def disk_enabled(self) -> bool:
+        """Whether store nodes keep a disk tier."""
+        return bool(self.disk_dir)
 
 
 @dataclass(slots=True)

@@ -33,8 +33,9 @@ from kvstore.reader_metrics import (
 from kvstore.reader_metrics import record_prefill_tokens as record_prefill_tokens
 
 #: Why a node evicted blocks: its pool was full on a put (capacity), the coordinator's
-#: high-watermark plan (watermark), a drain or a namespace invalidation, or an operator's Evict.
-EVICTION_CAUSES = ("capacity", "watermark", "drain", "invalidate", "admin")
+#: high-watermark plan (watermark), a drain or a namespace invalidation, or an operator's Evict;
+#: ``disk``: the coordinator's plan for a disk tier past its high watermark (its LRU dropped).
+EVICTION_CAUSES = ("capacity", "watermark", "drain", "invalidate", "admin", "disk")
 #: How blocks came into a node's pool: a client's Put, or a copy the coordinator ordered.
 STORE_SOURCES = ("put", "replica")
 #: Why a node's bulk channel refused a connection or request: a connection cap (all peers, one
@@ -43,6 +44,15 @@ STORE_SOURCES = ("put", "replica")
 #: failure of the pool.
 BULK_REFUSALS = ("connections", "peer_connections", "threads", "header_timeout",
                  "unauthenticated", "forbidden", "bad_request", "too_large", "error")
+
+#: Why a block was lost to a node's disk tier: the demotion queue was full, the disk had no
+#: room (ENOSPC), was read-only or failed (EIO and the rest), a file failed verification on
+#: its way back (corrupted), or the tier dropped its least recently used file for a newer one.
+TIER_DROP_REASONS = ("queue_full", "no_space", "read_only", "io_error", "corrupted", "lru")
+#: The two ways a block moves between a node's tiers.
+TIER_MOVES = ("demotion", "promotion")
+#: A node's tiers, fastest first.
+TIERS = ("arena", "disk")
 
 log = logging.getLogger(__name__)
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -93,6 +103,24 @@ POOL_PINNED_BLOCKS = Gauge("kvstore_pool_pinned_blocks", "Pinned blocks in a nod
                            ["node_id"], registry=REGISTRY)
 POOL_LEASED_BLOCKS = Gauge("kvstore_pool_leased_blocks", "Leased blocks in a node's pool",
                            ["node_id"], registry=REGISTRY)
+TIER_HITS = Counter("kvstore_tier_hits", "Blocks a node served, by the tier that held them "
+                    "(disk: read from the disk tier, then promoted)", ["tier"], registry=REGISTRY)
+TIER_MOVES_TOTAL = Counter("kvstore_tier_moves", "Blocks moved between a node's tiers "
+                           "(demotion: arena to disk for space; promotion: disk to arena on "
+                           "a read)", ["move"], registry=REGISTRY)
+TIER_DROPS = Counter("kvstore_tier_drops", "Blocks a node's disk tier lost, by reason",
+                     ["reason"], registry=REGISTRY)
+DISK_READ_BYTES = Counter("kvstore_disk_read_bytes", "Bytes a node read from its disk tier",
+                          registry=REGISTRY)
+DISK_READ_LATENCY = Histogram("kvstore_disk_read_seconds",
+                              "Time to read one block from the disk tier into the arena",
+                              buckets=_LATENCY_BUCKETS, registry=REGISTRY)
+DISK_USED_BYTES = Gauge("kvstore_disk_used_bytes", "Bytes of block files in a node's disk tier",
+                        ["node_id"], registry=REGISTRY)
+DISK_CAPACITY_BYTES = Gauge("kvstore_disk_capacity_bytes", "A node's disk tier capacity "
+                            "(0: no disk tier)", ["node_id"], registry=REGISTRY)
+DISK_BLOCKS = Gauge("kvstore_disk_blocks", "Blocks held in a node's disk tier", ["node_id"],
+                    registry=REGISTRY)
 # -- the coordinator's view of the cluster (set in the coordinator actor's process) -------------
 COORD_BLOCKS = Gauge("kvstore_coordinator_blocks", "Blocks the coordinator's table tracks",
                      registry=REGISTRY)
@@ -160,6 +188,13 @@ for _refused in BULK_REFUSALS:
 for _outcome in PUBLISH_OUTCOMES:
     PUBLISH_BLOCKS.labels(outcome=_outcome)
 
+for _tier in TIERS:
+    TIER_HITS.labels(tier=_tier)
+for _move in TIER_MOVES:
+    TIER_MOVES_TOTAL.labels(move=_move)
+for _drop in TIER_DROP_REASONS:
+    TIER_DROPS.labels(reason=_drop)
+
 _servers: list[WSGIServer] = []
 
 
@@ -200,6 +235,28 @@ def record_evictions(node_id: str, cause: str, num_blocks: int) -> None:
         EVICTIONS.labels(node_id=node_id, cause=cause).inc(num_blocks)
 
 
+def record_tier_hits(tier: str, num_blocks: int) -> None:
+    """Count blocks served from ``tier`` (one of ``TIERS``)."""
+    TIER_HITS.labels(tier=check_label(tier, TIERS, "tier")).inc(num_blocks)
+
+
+def record_tier_moves(move: str, num_blocks: int) -> None:
+    """Count blocks demoted to or promoted from the disk tier (one of ``TIER_MOVES``)."""
+    TIER_MOVES_TOTAL.labels(move=check_label(move, TIER_MOVES, "tier move")).inc(num_blocks)
+
+
+def record_tier_drops(reason: str, num_blocks: int) -> None:
+    """Count blocks the disk tier lost, by one of ``TIER_DROP_REASONS``."""
+    TIER_DROPS.labels(reason=check_label(reason, TIER_DROP_REASONS, "tier drop reason")
+                      ).inc(num_blocks)
+
+
+def observe_disk_read(seconds: float, nbytes: int) -> None:
+    """Record one block read from the disk tier."""
+    DISK_READ_LATENCY.observe(seconds)
+    DISK_READ_BYTES.inc(nbytes)
+
+
 def observe_pool(node_id: str, stats: PoolStats) -> None:
     """Publish a pool's occupancy once (``watch_pool`` keeps it current instead)."""
     POOL_USED_BYTES.labels(node_id=node_id).set(stats.used_bytes)
@@ -216,7 +273,10 @@ def watch_pool(node_id: str, stats: Callable[[], PoolStats]) -> None:
 
     for gauge, field in ((POOL_USED_BYTES, "used_bytes"), (POOL_CAPACITY_BYTES, "capacity_bytes"),
                          (POOL_BLOCKS, "num_blocks"), (POOL_PINNED_BLOCKS, "num_pinned"),
-                         (POOL_LEASED_BLOCKS, "num_leased")):
+                         (POOL_LEASED_BLOCKS, "num_leased"),
+                         (DISK_USED_BYTES, "disk_used_bytes"),
+                         (DISK_CAPACITY_BYTES, "disk_capacity_bytes"),
+                         (DISK_BLOCKS, "disk_blocks")):
         gauge.labels(node_id=node_id).set_function(reader(field))
     for cause in EVICTION_CAUSES:  # zero until the first eviction, not absent
         EVICTIONS.labels(node_id=node_id, cause=cause)
@@ -225,7 +285,7 @@ def watch_pool(node_id: str, stats: Callable[[], PoolStats]) -> None:
 def forget_node(node_id: str) -> None:
     """Drop a departed node's series so dashboards do not show a dead node's last values."""
     for gauge in (POOL_USED_BYTES, POOL_CAPACITY_BYTES, POOL_BLOCKS, POOL_PINNED_BLOCKS,
-                  POOL_LEASED_BLOCKS):
+                  POOL_LEASED_BLOCKS, DISK_USED_BYTES, DISK_CAPACITY_BYTES, DISK_BLOCKS):
         try:
             gauge.remove(node_id)
         except KeyError:

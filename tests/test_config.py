@@ -122,6 +122,14 @@ def test_unknown_keys_are_errors_that_name_them(tmp_path, text, names):
         ({"KVSTORE_WORKER_PREFILL_CHUNK_TOKENS": "100"}, "worker.prefill_chunk_tokens"),
         ({"KVSTORE_WORKER_BLOCK_SIZE": "0"}, "worker.block_size"),
         ({"KVSTORE_WORKER_DTYPE": "float64"}, "worker.dtype"),
+        ({"KVSTORE_POOL_DISK_CAPACITY_BYTES": "lots"}, "pool.disk_capacity_bytes"),
+        ({"KVSTORE_POOL_DISK_CAPACITY_BYTES": "1GiB"}, "needs pool.disk_dir"),
+        ({"KVSTORE_POOL_DISK_DIR": "/tmp/kvstore-tier"}, "needs pool.disk_capacity_bytes"),
+        ({"KVSTORE_POOL_DISK_DIR": "/etc/hostname",
+          "KVSTORE_POOL_DISK_CAPACITY_BYTES": "1GiB"}, "is not a directory"),
+        ({"KVSTORE_POOL_DISK_DIR": "/tmp/kvstore-tier", "KVSTORE_POOL_DISK_CAPACITY_BYTES": "1GiB",
+          "KVSTORE_POOL_DISK_QUEUE_BYTES": "0"}, "pool.disk_queue_bytes"),
+        ({"KVSTORE_POOL_DISK_READ_PATH": "mmap"}, "pool.disk_read_path"),
     ],
 )
 def test_invalid_values_name_the_setting(source, setting):
@@ -144,6 +152,15 @@ def test_yaml_that_is_not_a_mapping_is_an_error(tmp_path, text):
 def test_missing_file_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "absent.yaml", env={})
+
+
+def test_a_disk_tier_needs_a_directory_and_a_capacity(tmp_path):
+    pool = load_config(env={"KVSTORE_POOL_DISK_DIR": str(tmp_path / "tier"),
+                            "KVSTORE_POOL_DISK_CAPACITY_BYTES": "2GiB",
+                            "KVSTORE_POOL_DISK_READ_PATH": "buffered"}).pool
+    assert pool.disk_enabled and pool.disk_capacity_bytes == 2 << 30
+    assert pool.disk_read_path == "buffered"
+    assert not load_config(env={}).pool.disk_enabled  # off by default
 
 
 def test_dataclasses_validate_when_built_directly():

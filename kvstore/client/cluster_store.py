@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -55,6 +56,8 @@ from kvstore.errors import (
 from kvstore.index.base import Index
 from kvstore.index.view import IndexView
 from kvstore.keys import Namespace
+
+log = logging.getLogger(__name__)
 
 Directory = Callable[[str], NodeAddress] | Callable[[], Mapping[str, NodeAddress]]
 
@@ -136,6 +139,18 @@ class ClusterStore:
             return path
         locked = client.prepare_device_reads(target, wait=wait)
         return "staged" if wait and not locked else path
+
+    def warm_up(self) -> bool:
+        """Connect to this host's store node now: its address, the channel and the arena's
+        mapping, which a fresh process (a new vLLM instance) would otherwise pay inside its
+        first request. Whether it worked; a node that cannot be reached is left for the first
+        read to report and route around."""
+        try:
+            self._client(self.local_node_id).warm_up()
+        except (KVStoreError, OSError) as exc:
+            log.debug("warming up the client of %s failed: %s", self.local_node_id[:12], exc)
+            return False
+        return True
 
     def batch_get_into(self, namespace: Namespace, keys: Sequence[bytes],
                        token_ids: Sequence[TokenIds], out: torch.Tensor

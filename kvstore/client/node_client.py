@@ -20,9 +20,9 @@ import numpy as np
 from kvstore.client.bulk_client import BulkClient
 from kvstore.client.device_copy import DeviceRows, StagingPool
 from kvstore.client.device_reads import shm_into_device, staged_into_device
+from kvstore.client.file_reads import read_leased
 from kvstore.client.lease_releases import LeaseReleases
 from kvstore.client.replies import HeldBlock, LeaseInfo, NodeHealth, NodeStats, PutResult
-from kvstore.client.shm_reader import copy_then_verify, copy_verified_batch, is_small_batch
 from kvstore.client.verify_pool import verify_landed
 from kvstore.config import ClientConfig
 from kvstore.errors import (
@@ -251,6 +251,13 @@ class StoreNodeClient:
                 self._shm = ShmReader(self.shm_path)  # type: ignore[arg-type]
             return self._shm
 
+    def warm_up(self) -> None:
+        """Open the channel (one Health round trip) and, on the same node, map the arena, so
+        the first read does not pay for them."""
+        self.health()
+        if self.same_node:
+            self._reader()
+
     def prepare_device_reads(self, device: Any, *, wait: bool = False) -> bool:
         """Start page-locking the holder's arena for DMA into ``device`` (same node only), in
         the background: reads stage until it is done (``ShmReader.pin_for_dma``). Whether it
@@ -314,29 +321,31 @@ class StoreNodeClient:
     def _shm_get_into(self, keys: list[bytes], buffers: Sequence[Buffer],
                       namespace: Namespace | None = None,
                       token_ids: Sequence[Any] | None = None, *,
-                      scope: Namespace | None = None) -> list[Any]:
-        """Lease, copy each block once out of the holder's arena (verifying it in the same
-        pass when ``namespace`` is given), then release without waiting for the reply.
-        ``scope``: the namespace the lease is asked in (default ``namespace``)."""
-
-        def read(reader: Any, where: dict[bytes, BlockLocation],
-                 keep_alive: Callable[[], None]) -> list[Any]:
-            if namespace is not None and is_small_batch(where, namespace):
-                return copy_then_verify(reader, where, keys, buffers, namespace, token_ids,
-                                        keep_alive)
-            return copy_verified_batch(reader, where, keys, buffers, namespace, token_ids,
-                                       keep_alive)
-
-        return self._leased(keys, scope or namespace, read)
+                      scope: Namespace | None = None, files: bool = True) -> list[Any]:
+        """Lease, copy each block once out of the holder's arena or read it from its disk-tier
+        file (verified in the same pass when ``namespace`` is given: ``file_reads``), then
+        release without waiting for the reply; files gone or unreadable by then are asked
+        for once more, without files. ``scope``: the namespace the lease is asked in."""
+        again: list[int] = []
+        out = self._leased(keys, scope or namespace, lambda reader, where, keep_alive: read_leased(
+            reader, where, keys, buffers, namespace, token_ids, keep_alive, again), files=files)
+        if again:
+            redo = self._shm_get_into([keys[i] for i in again], [buffers[i] for i in again],
+                                      namespace, None if token_ids is None else
+                                      [token_ids[i] for i in again], scope=scope, files=False)
+            for i, verdict in zip(again, redo, strict=True):
+                out[i] = verdict
+        return out
 
     def _leased(self, keys: list[bytes], namespace: Namespace | None,
-                read: Callable[[Any, dict[bytes, BlockLocation], Callable[[], None]], list[Any]]
-                ) -> list[Any]:
+                read: Callable[[Any, dict[bytes, BlockLocation], Callable[[], None]], list[Any]],
+                *, files: bool = False) -> list[Any]:
         """``read(reader, locations, keep_alive)`` under a lease on ``keys`` (asked in
-        ``namespace``), which is released without waiting once ``read`` returns; LeaseExpired
-        if the lease may have ended before ``read`` was done with the arena."""
+        ``namespace``; ``files``: as ``lease``'s), which is released without waiting once
+        ``read`` returns; LeaseExpired if the lease may have ended before ``read`` was done
+        with the arena."""
         granted = [time.monotonic()]  # before the call: the node's clock starts no earlier
-        lease = self.lease(keys, self.lease_ttl_s, namespace=namespace)
+        lease = self.lease(keys, self.lease_ttl_s, namespace=namespace, files=files)
         renewal = threading.Lock()
 
         def keep_alive() -> None:
@@ -369,25 +378,24 @@ class StoreNodeClient:
 
     # -- leases -----------------------------------------------------------------------------
     def lease(self, keys: Sequence[bytes], ttl_s: float, *,
-              namespace: Namespace | None = None) -> LeaseInfo:
+              namespace: Namespace | None = None, files: bool = False) -> LeaseInfo:
         """Pin the held ``keys`` on the node for ``ttl_s`` seconds (absent ones are listed;
         the node clamps ``ttl_s`` to its ``server.max_lease_ttl_s``). ``namespace``: as in
-        ``get_blocks``: blocks of another namespace are listed as absent.
-
+        ``get_blocks``: blocks of another namespace are listed as absent. ``files``: disk
+        blocks may come back as files (``BlockLocation.path``; ``kvstore.client.file_reads``).
         Leases ended with ``release_nowait`` and not sent yet ride along and are released
         first (put back if the call fails: the release thread sends them then)."""
         done = self._releases.take()
         try:
             resp = self._unary(self._stub.Lease, pb.LeaseRequest(
                 keys=list(keys), ttl_s=ttl_s, reader_node_id=self.reader_node_id,
-                release_lease_ids=done,
+                release_lease_ids=done, accept_files=files and self.same_node,
                 namespace=None if namespace is None else spec_from_namespace(namespace)))
         except BaseException:
             self._releases.put_back(done)
             raise
-        return LeaseInfo(resp.lease_id,
-                         [BlockLocation(loc.key, loc.offset, loc.nbytes) for loc in resp.locations],
-                         list(resp.missing), resp.expires_at, resp.shm_path)
+        where = [BlockLocation(loc.key, loc.offset, loc.nbytes, loc.file) for loc in resp.locations]
+        return LeaseInfo(resp.lease_id, where, list(resp.missing), resp.expires_at, resp.shm_path)
 
     def renew(self, lease_id: str, ttl_s: float) -> float:
         """Extend a lease; returns its new wall-clock expiry. LeaseExpired if it already ended."""

@@ -39,8 +39,10 @@ from kvstore.index.factory import make_index
 from kvstore.index.packed import PackedEntries
 from kvstore.node.arena_files import freed_line, sweep_leftovers
 from kvstore.node.block_pool import BlockPool
+from kvstore.node.disk_tier import DiskTier
 from kvstore.node.grpc_setup import bind_node_ip
 from kvstore.node.store_server import StoreServer
+from kvstore.node.tiered_pool import TieredPool
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,8 @@ _REGISTER_ATTEMPTS = 60
 #: (closer to an exact LRU of the whole pool); the last 1% takes many Puts to fill, enough
 #: for an eviction round to land first.
 _EVICT_AHEAD_FILL = 0.99
+#: Eviction causes that are about room in the arena: with a disk tier these demote.
+SPACE_CAUSES = frozenset({"capacity", "watermark"})
 #: Eviction plans one make-room asks for while the pool refuses every key (all leased).
 _ROOM_REQUESTS = 3
 
@@ -69,8 +73,10 @@ class StoreNode:
         freed = freed_line(sweep_leftovers(config.pool.shm_dir))
         if freed:
             log.warning("store node %s: %s", self.node_id[:12], freed)
-        self.pool = BlockPool(config.pool.capacity_bytes, shm_dir=config.pool.shm_dir,
-                              name=arena_name(self.node_id))
+        arena = BlockPool(config.pool.capacity_bytes, shm_dir=config.pool.shm_dir,
+                          name=arena_name(self.node_id))
+        self.tiered = open_disk_tier(arena, config)
+        self.pool: BlockPool | TieredPool = self.tiered or arena
         self._lock = threading.Lock()
         self._touched: dict[bytes, None] = {}  # ordered set: recency order is kept
         self._remote_reads: dict[str, list[bytes]] = {}  # reader node -> keys, one per read
@@ -96,6 +102,9 @@ class StoreNode:
                       if config.security.data_key else None),
         )
         self.server.start()
+        if self.tiered is not None:  # blocks a previous run left: the index needs their meta
+            for key, entry in self.tiered.disk.items():
+                self.server.remember(key, entry.parent_key, entry.namespace_root)
         grpc_address, bulk_address = self.server.addresses
         self.address = NodeAddress(self.node_id, grpc_address, bulk_address, self.pool.path,
                                    start_node_metrics(config.server, ip, self.node_id,
@@ -163,8 +172,9 @@ class StoreNode:
         self._heartbeat()
         return self.epoch
 
-    def shutdown(self) -> None:
-        """Stop heartbeats and serving, unlink the arena."""
+    def shutdown(self, purge: bool = False) -> None:
+        """Stop heartbeats and serving, unlink the arena; the disk tier stays for the next
+        start (its queued demotions written first) unless ``purge``."""
         self._stop.set()
         self._evict_ahead.set()
         self._thread.join(timeout=5)
@@ -172,7 +182,10 @@ class StoreNode:
         self.server.stop(grace=0.5)
         metrics.stop_metrics_servers()
         metrics.forget_node(self.node_id)
-        self.pool.close()
+        if self.tiered is not None:
+            self.tiered.close(purge=purge)
+        else:
+            self.pool.close()
         self._index_fast.close()
         if self._redis is not None:
             self._redis.close()
@@ -206,8 +219,10 @@ class StoreNode:
                 entries = self._held_entries()
                 if self._redis is not None and entries:
                     self._redis.publish(entries)
+                disk_keys = self.tiered.disk_only_keys() if self.tiered is not None else []
                 self.epoch = int(self._call("register_node", self.node_id, self.address,
-                                            self.pool.capacity_bytes, entries))
+                                            self.pool.capacity_bytes, entries,
+                                            disk_keys=disk_keys))
                 self.num_registrations += 1
                 return
             except (RayActorError, GetTimeoutError, NodeUnavailable) as exc:
@@ -257,6 +272,8 @@ class StoreNode:
         again, a few times, when the pool refused every key it was told (leased since): the
         coordinator then plans the next ones instead.
         """
+        with contextlib.suppress(RayActorError, GetTimeoutError, NodeUnavailable):
+            self._report_tier_changes()  # blocks promoted since the last beat are arena's now
         for _ in range(_ROOM_REQUESTS):
             try:
                 keys = self._call("request_eviction", self.node_id, nbytes,
@@ -271,28 +288,79 @@ class StoreNode:
 
     def _evict(self, keys: Sequence[bytes], causes: Sequence[str]) -> int:
         """Evict what the pool allows (never leased or pinned), count it by cause (one per
-        key; ``watermark`` where missing) and tell the index."""
+        key; ``watermark`` where missing) and tell the index. With a disk tier, eviction for
+        space (capacity, watermark) demotes instead: the block stays this node's, on disk,
+        and the coordinator learns its tier; any other cause deletes it from both tiers."""
         if not keys:
             return 0
         keys = list(keys)
+        cause_of = dict(zip(keys, causes, strict=False))
+        freed = 0
+        if self.tiered is not None:
+            cold = [k for k in keys if cause_of.get(k) == "disk"]
+            if cold:  # the disk tier's LRU: only the disk copy goes (one promoted since stays)
+                lost = self.tiered.evict_lower(cold)
+                metrics.record_evictions(self.node_id, "disk", len(lost))
+                self._forget_lost(lost)
+                keys = [k for k in keys if cause_of.get(k) != "disk"]
+            space = [k for k in keys if cause_of.get(k, "watermark") in SPACE_CAUSES]
+            if space:
+                in_arena = self.tiered.arena.held(space)
+                freed += self.tiered.demote(space)
+                now = self.tiered.arena.held(space)
+                left = [k for k, was, there in zip(space, in_arena, now, strict=True)
+                        if was and not there]
+                for cause, n in Counter(cause_of.get(k, "watermark") for k in left).items():
+                    metrics.record_evictions(self.node_id, cause, n)
+                demoted = [k for k, held in zip(left, self.tiered.held(left), strict=True)
+                           if held]
+                # Ordered out of an arena that no longer had them (a promotion reported late):
+                # the coordinator's tier is stale, and its next plan must not name them again.
+                below = [k for k, was in zip(space, in_arena, strict=True) if not was]
+                stale = [k for k, held in zip(below, self.tiered.held(below), strict=True)
+                         if held]
+                if demoted or stale:
+                    with contextlib.suppress(RayActorError, GetTimeoutError, NodeUnavailable):
+                        self._call("report_tiers", self.node_id, demoted + stale, [])
+                self._forget_lost([k for k in left if k not in set(demoted)])
+                keys = [k for k in keys if cause_of.get(k, "watermark") not in SPACE_CAUSES]
+            if not keys:
+                return freed
         before = self.pool.held(keys)
-        freed = self.pool.evict(keys)
+        freed += self.pool.evict(keys)
         after = self.pool.held(keys)
         gone = [k for k, there in zip(keys, after, strict=True) if not there]
-        cause_of = dict(zip(keys, causes, strict=False))
         evicted = Counter(cause_of.get(k, "watermark")
                           for k, was, there in zip(keys, before, after, strict=True)
                           if was and not there)
         for cause, n in evicted.items():
             metrics.record_evictions(self.node_id, cause, n)
+        self._forget_lost(gone)
+        return freed
+
+    def _forget_lost(self, gone: Sequence[bytes]) -> None:
+        """Keys this node no longer holds in any tier: out of its meta and the index."""
         for k in gone:
             self.server.forget(k)
         if gone:
             if self._redis is not None:
-                self._redis.remove(gone, self.node_id)
+                self._redis.remove(list(gone), self.node_id)
             with contextlib.suppress(RayActorError, GetTimeoutError, NodeUnavailable):
-                self._call("removed", self.node_id, gone)  # re-announce reconciles otherwise
-        return freed
+                self._call("removed", self.node_id, list(gone))  # re-announce reconciles else
+
+    def _report_tier_changes(self) -> None:
+        """What the disk tier lost (full, failing, damaged files) and what reads promoted back
+        into the arena since the last beat: the index and the coordinator's tiers follow."""
+        if self.tiered is None:
+            return
+        lost, promoted = self.tiered.take_changes()
+        self._forget_lost(lost)
+        if promoted:
+            try:
+                self._call("report_tiers", self.node_id, [], promoted)
+            except Exception:
+                self.tiered.requeue_promoted(promoted)
+                raise
 
     def _take_reads(self) -> tuple[list[bytes], dict[str, list[bytes]]]:
         with self._lock:
@@ -309,6 +377,7 @@ class StoreNode:
                                                          self.pool.committed_bytes()))
 
     def _heartbeat(self) -> None:
+        self._report_tier_changes()
         touched, remote = self._take_reads()
         try:
             reply = self._call("heartbeat", self.node_id, self._stats(), touched, remote)
@@ -350,6 +419,26 @@ class StoreNode:
                 self._heartbeat()
             except Exception as exc:  # a missed beat is retried; the coordinator may restart
                 log.warning("kvstore heartbeat from %s failed: %s", self.node_id[:12], exc)
+
+
+def open_disk_tier(arena: BlockPool, config: KVStoreConfig) -> TieredPool | None:
+    """The pool with its disk tier when ``pool.disk_dir`` is set; None when it is not, or
+    when the directory cannot be used (in use by another node, not writable): the node then
+    serves from its arena alone, with one error line that says why, rather than not start."""
+    pool = config.pool
+    if not pool.disk_dir:
+        return None
+    data_key = bytes.fromhex(config.security.data_key) if config.security.data_key else None
+    try:
+        disk = DiskTier(pool.disk_dir, pool.disk_capacity_bytes, data_key=data_key,
+                        fsync=pool.disk_fsync, read_path=pool.disk_read_path)
+    except (KVStoreError, OSError) as exc:
+        log.error("kvstore store node: no disk tier (%s); serving from the arena only", exc)
+        return None
+    log.info("kvstore disk tier %s: %d blocks (%d bytes) recovered in %.2f s, %d damaged "
+             "files removed, reads %s", disk.directory, disk.counters.recovered,
+             disk.used_bytes, disk.recovery_s, disk.counters.discarded, disk.read_path)
+    return TieredPool(arena, disk, queue_bytes=pool.disk_queue_bytes)
 
 
 def fetch_verified(source: NodeAddress, keys: Sequence[bytes], config: ClientConfig,

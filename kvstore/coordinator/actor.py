@@ -86,9 +86,14 @@ class Coordinator:
         return True
 
     def register_node(self, node_id: str, address: NodeAddress, capacity_bytes: int,
-                      entries: list[IndexEntry]) -> int:
+                      entries: list[IndexEntry], disk_keys: list[bytes] | None = None) -> int:
         """A node announces itself and everything it holds; returns the epoch."""
-        return self._core.register_node(node_id, address, capacity_bytes, entries)
+        return self._core.register_node(node_id, address, capacity_bytes, entries,
+                                        disk_keys or ())
+
+    def report_tiers(self, node_id: str, to_disk: list[bytes], to_arena: list[bytes]) -> None:
+        """The node moved blocks between its arena and its disk tier."""
+        self._core.report_tiers(node_id, to_disk, to_arena)
 
     def publish(self, node_id: str, entries: list[IndexEntry]) -> None:
         """Make blocks visible before the node's put returns."""

@@ -127,8 +127,9 @@ class CoordinatorCore(OperatorCalls):
         return True
 
     def register_node(self, node_id: str, address: NodeAddress, capacity_bytes: int,
-                      entries: Sequence[IndexEntry]) -> int:
-        """A node (re)announces itself and everything it holds; returns the epoch."""
+                      entries: Sequence[IndexEntry], disk_keys: Sequence[bytes] = ()) -> int:
+        """A node (re)announces itself and everything it holds (``disk_keys``: those of the
+        entries it keeps in its disk tier only); returns the epoch."""
         check_node_id(node_id)
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
@@ -147,6 +148,8 @@ class CoordinatorCore(OperatorCalls):
             if stale:
                 self._remove(node, stale)
             self._record(node, entries)
+            if disk_keys:
+                self.lru.set_tier(node.slot, list(disk_keys), True)
             self.metrics["drift_added"] += len(missing)
             self.metrics["drift_removed"] += len(stale)
             self.metrics["registrations"] += 1
@@ -209,6 +212,28 @@ class CoordinatorCore(OperatorCalls):
                 self.index.remove(keys, node_id)
             self.metrics["removed"] += len(keys)
 
+    def report_tiers(self, node_id: str, to_disk: Sequence[bytes],
+                     to_arena: Sequence[bytes]) -> None:
+        """The node demoted ``to_disk`` (they stay its blocks, in its disk tier only) and
+        promoted ``to_arena`` back: the arena plan counts only what is in the arena.
+
+        Both are orders carried out (or undone by a read), so they leave ``ordered``: a block
+        demoted and promoted again since the last heartbeat is in the arena and may be
+        planned again. Kept there, a burst of reads that promote what the last plans demoted
+        could leave every arena block excluded, and the plan for a full arena empty."""
+        check_node_id(node_id)
+        check_keys(to_disk)
+        check_keys(to_arena)
+        with self._lock:
+            node = self.nodes.get(node_id)
+            if node is None:
+                return  # unknown or dead: its re-registration says where everything is
+            node.ordered.difference_update(to_disk)
+            node.ordered.difference_update(to_arena)
+            moved = self.lru.set_tier(node.slot, list(to_disk), True)
+            moved += self.lru.set_tier(node.slot, list(to_arena), False)
+            self.metrics["tier_moves"] += moved
+
     def _remove(self, node: NodeState, keys: Sequence[bytes]) -> None:
         self.index.remove(keys, node.node_id)
         if self.external_index:
@@ -251,6 +276,14 @@ class CoordinatorCore(OperatorCalls):
             if cap and stats.used_bytes > self.cfg.high_watermark * cap:
                 target = stats.used_bytes - int(self.cfg.low_watermark * cap)
                 evict += self.lru.plan(node.slot, target, list(node.ordered.union(evict)))
+            disk_cap = getattr(stats, "disk_capacity_bytes", 0)
+            if disk_cap and stats.disk_used_bytes > self.cfg.high_watermark * disk_cap:
+                # the disk's least recently used leave the cluster: dropped, not demoted
+                target = stats.disk_used_bytes - int(self.cfg.low_watermark * disk_cap)
+                dropped = self.lru.plan(node.slot, target, list(node.ordered.union(evict)),
+                                        tier="disk")
+                causes.update(dict.fromkeys(dropped, "disk"))
+                evict += dropped
             node.ordered.update(evict)
             replicate = []
             for src_id, keys in node.pending_replicate.items():

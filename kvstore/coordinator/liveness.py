@@ -35,6 +35,11 @@ class NodeStatus:
     alive: bool
     last_heartbeat: float
     draining: bool = False
+    # the node's disk tier (all 0 without one): what `kvstore status` shows per tier
+    disk_capacity_bytes: int = 0
+    disk_used_bytes: int = 0
+    disk_blocks: int = 0
+    disk_hits: int = 0
 
 
 @dataclass(slots=True)
@@ -67,6 +72,9 @@ class NodeState:
             hits=s.hits if s else 0, misses=s.misses if s else 0,
             evictions=s.evictions if s else 0, alive=True, last_heartbeat=self.last_heartbeat,
             draining=self.draining,
+            disk_capacity_bytes=getattr(s, "disk_capacity_bytes", 0),
+            disk_used_bytes=getattr(s, "disk_used_bytes", 0),
+            disk_blocks=getattr(s, "disk_blocks", 0), disk_hits=getattr(s, "disk_hits", 0),
         )
 
 

@@ -92,6 +92,9 @@ class LRUTable:
         cap = max(16, self._initial_capacity)
         self._alloc(cap)
         self.sets = HolderSets(cap)
+        #: which holders keep the block in their disk tier only (a subset of ``sets``): the
+        #: arena plan passes them over, the disk plan takes only them
+        self.disk = HolderSets(cap)
         self._hash = SlotHash(1 << (cap * 2 - 1).bit_length())
         self._next_slot = 0
         self._free = array("i")
@@ -128,6 +131,7 @@ class LRUTable:
         for name, arr in old.items():
             getattr(self, name)[: len(arr)] = arr
         self.sets.grow(len(self.nbytes))
+        self.disk.grow(len(self.nbytes))
 
     def nbytes_used(self) -> int:
         """Bytes of the arrays, holder sets and hash table (what the table itself costs)."""
@@ -222,9 +226,12 @@ class LRUTable:
             slots[missing] = new
             self.num_blocks += int(missing.size)
             self.sets.lanes[new] = 0
+            self.disk.lanes[new] = 0
             self.last_use[new] = 0
             self.used_at[new] = 0.0
         newly = self.sets.hold(node, slots)
+        if self.disk.num_held(node):  # stored again: in the node's arena now
+            self.disk.unhold(node, np.unique(slots))
         self.nbytes[slots] = np.asarray(nbytes, dtype=np.int64)
         packed_parents = _pack([p if p else bytes(KEY_NBYTES) for p in parents]
                                if not all(parents) else parents)  # type: ignore[arg-type]
@@ -293,6 +300,8 @@ class LRUTable:
         slots, where = slots[ok], where[ok]
         slots, first = np.unique(slots, return_index=True)
         where = where[first]
+        if self.disk.num_held(node):
+            self.disk.unhold(node, slots)
         held = self.sets.unhold(node, slots)
         gone = self.holders[slots] == 0
         self._release(slots[gone], where[gone])
@@ -310,12 +319,37 @@ class LRUTable:
     def drop_node(self, node: int) -> int:
         """Forget node slot ``node`` everywhere (it died or left; the slot may be reused at
         once); returns its block count."""
+        self.disk.drop(node)
         slots = self.sets.drop(node)
         gone = slots[self.holders[slots] == 0]
         if gone.size:
             where = self._find(self.keys[gone])[1]
             self._release(gone, where)
         return int(slots.size)
+
+    def set_tier(self, node: int, keys: Sequence[bytes], on_disk: bool) -> int:
+        """Node slot ``node`` keeps ``keys`` in its disk tier only (``on_disk``), or in its
+        arena again; keys it does not hold are ignored. Returns how many changed."""
+        if not keys:
+            return 0
+        slots = self.lookup(keys)
+        slots = np.unique(slots[slots >= 0])
+        slots = slots[self.sets.contains(node, slots)]
+        if on_disk:
+            return self.disk.hold(node, slots)
+        if not self.disk.num_held(node):
+            return 0
+        return int(self.disk.unhold(node, slots).sum())
+
+    def on_disk(self, node: int, slots: np.ndarray) -> np.ndarray:
+        """Whether node slot ``node`` keeps each of ``slots`` (which it holds) on disk only."""
+        if not self.disk.num_held(node):
+            return np.zeros(len(slots), dtype=bool)
+        return self.disk.contains(node, slots)
+
+    def num_disk_blocks_of(self, node: int) -> int:
+        """How many blocks node slot ``node`` keeps on disk only."""
+        return self.disk.num_held(node)
 
     def key_of(self, slots: np.ndarray) -> list[bytes]:
         """The keys stored in ``slots``."""
@@ -373,7 +407,10 @@ class LRUTable:
         idx = idx[np.argsort(-hits[idx].astype(np.int64), kind="stable")]
         return [(self.keys[i].tobytes(), int(hits[i])) for i in idx if hits[i] > 0]
 
-    def plan(self, node: int, nbytes_to_free: int, exclude: Sequence[bytes] = ()) -> list[bytes]:
-        """Keys node slot ``node`` should evict to free ``nbytes_to_free`` bytes (see
-        ``planner.plan_evictions``: LRU, children before parents, hard pins never)."""
-        return plan_evictions(self, node, nbytes_to_free, exclude)
+    def plan(self, node: int, nbytes_to_free: int, exclude: Sequence[bytes] = (),
+             tier: str = "arena") -> list[bytes]:
+        """Keys node slot ``node`` should evict from ``tier`` to free ``nbytes_to_free`` bytes
+        there (see ``planner.plan_evictions``: LRU, children before parents, hard pins
+        never). The arena's least recently used go to disk (a node with a disk tier demotes
+        what the arena plan names), the disk's least recently used are dropped."""
+        return plan_evictions(self, node, nbytes_to_free, exclude, tier)

@@ -45,4 +45,12 @@ def node_json(n: NodeStatus) -> dict[str, Any]:
             "metrics_address": n.address.metrics_address if n.address else None,
             "capacity_bytes": n.capacity_bytes, "used_bytes": n.used_bytes, "blocks": n.blocks,
             "hits": n.hits, "misses": n.misses, "evictions": n.evictions, "alive": n.alive,
-            "draining": n.draining, "last_heartbeat": n.last_heartbeat}
+            "draining": n.draining, "last_heartbeat": n.last_heartbeat,
+            # each tier: the arena (hits: leases that found the block there) and the disk
+            # tier under it (capacity 0: the node has none; hits: blocks read from disk)
+            "tiers": {
+                "arena": {"used_bytes": n.used_bytes, "capacity_bytes": n.capacity_bytes,
+                          "blocks": n.blocks, "hits": n.hits},
+                "disk": {"used_bytes": n.disk_used_bytes,
+                         "capacity_bytes": n.disk_capacity_bytes, "blocks": n.disk_blocks,
+                         "hits": n.disk_hits}}}

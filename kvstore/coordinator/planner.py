@@ -29,13 +29,20 @@ class PlannedTable(Protocol):
     nbytes: np.ndarray
 
     def _slots_of(self, node: int, ordered: bool = True) -> np.ndarray: ...
+    def on_disk(self, node: int, slots: np.ndarray) -> np.ndarray: ...
     def lookup(self, keys: Sequence[bytes]) -> np.ndarray: ...
     def key_of(self, slots: np.ndarray) -> list[bytes]: ...
 
 
 def plan_evictions(table: PlannedTable, node: int, nbytes_to_free: int,
-                   exclude: Sequence[bytes] = ()) -> list[bytes]:
-    """Keys node slot ``node`` should evict to free ``nbytes_to_free`` bytes.
+                   exclude: Sequence[bytes] = (), tier: str = "arena") -> list[bytes]:
+    """Keys node slot ``node`` should evict from ``tier`` to free ``nbytes_to_free`` bytes.
+
+    Tiers (design.md §5.3): the arena plan sees only the blocks in the node's arena (a block
+    on its disk alone frees no arena bytes), and children are counted among those: a parent
+    may go to disk before its child, since the node still serves it. The disk plan chooses
+    among the disk-only blocks but counts children over every block the node holds, so a
+    chain is never cut in the middle by dropping a parent that a child in the arena needs.
 
     Least recently used first; a block whose child is on the same node waits until the
     child is chosen (evicting a parent would orphan the chain); hard pins never; soft pins
@@ -56,11 +63,20 @@ def plan_evictions(table: PlannedTable, node: int, nbytes_to_free: int,
     """
     if nbytes_to_free <= 0:
         return []
+    if tier not in ("arena", "disk"):
+        raise ValueError(f"tier must be 'arena' or 'disk', got {tier!r}")
     held = table._slots_of(node, ordered=False)
     if not held.size:
         return []
+    on_disk = table.on_disk(node, held)
+    if tier == "arena" and on_disk.any():
+        held = held[~on_disk]
+        if not held.size:
+            return []
     pin = table.pin[held]
     eligible = pin != PIN_HARD
+    if tier == "disk":
+        eligible &= on_disk
     if exclude:
         skip = table.lookup(exclude)
         skip = skip[skip >= 0]

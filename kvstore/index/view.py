@@ -111,6 +111,12 @@ class IndexView:
                 out.append(list(h))
         return out
 
+    def remember(self, keys: Sequence[bytes], holders: Sequence[list[str]]) -> None:
+        """Holders another reader of the same cluster was told moments ago (vLLM's scheduler
+        process looks a prefix up, its worker fetches it): trusted like this view's own
+        answers, for ``ttl_s``, so the fetch skips a second index round trip."""
+        self._learn([bytes(k) for k in keys], holders)
+
     def _learn(self, keys: Sequence[bytes], holders: Sequence[list[str]]) -> None:
         if self.ttl_s <= 0:
             return

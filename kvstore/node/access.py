@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 
 from kvstore.errors import PermissionDenied
+from kvstore.keys import Namespace
 from kvstore.node.proto_forms import namespace_from_spec
 from kvstore.protos import kvstore_pb2 as pb
 from kvstore.security.grants import Grant
@@ -26,33 +27,41 @@ _MAX_ROOTS = 1024  # namespace roots remembered by spec (a dict, cleared when fu
 @dataclass(frozen=True, slots=True)
 class ReadScope:
     """What one read may see: blocks of ``root`` (None: every block, admin only), counted as
-    read from ``reader_node_id``."""
+    read from ``reader_node_id``; ``namespace``: the reader's, rebuilt under the node's data
+    key (its MAC key included), so a disk block promoted for it is checked as the reader
+    will check it."""
 
     grant: Grant
     root: bytes | None
     reader_node_id: str
+    namespace: Namespace | None = None
 
 
 class RootCache:
-    """A namespace spec's root under the node's data key, computed once per distinct spec."""
+    """A namespace spec's namespace (and root) under the node's data key, computed once per
+    distinct spec."""
 
     def __init__(self, data_key: bytes | None) -> None:
         self.data_key = data_key
-        self._roots: dict[bytes, bytes] = {}
+        self._namespaces: dict[bytes, Namespace] = {}
         self._lock = threading.Lock()
+
+    def namespace(self, spec: pb.NamespaceSpec) -> Namespace:
+        """``spec``'s namespace (ConfigError on nonsense fields)."""
+        wire = spec.SerializeToString(deterministic=True)
+        with self._lock:
+            ns = self._namespaces.get(wire)
+        if ns is None:
+            ns = namespace_from_spec(spec, data_key=self.data_key)
+            with self._lock:
+                if len(self._namespaces) >= _MAX_ROOTS:
+                    self._namespaces.clear()
+                self._namespaces[wire] = ns
+        return ns
 
     def root(self, spec: pb.NamespaceSpec) -> bytes:
         """The root of ``spec``'s namespace (ConfigError on nonsense fields)."""
-        wire = spec.SerializeToString(deterministic=True)
-        with self._lock:
-            root = self._roots.get(wire)
-        if root is None:
-            root = namespace_from_spec(spec, data_key=self.data_key).root
-            with self._lock:
-                if len(self._roots) >= _MAX_ROOTS:
-                    self._roots.clear()
-                self._roots[wire] = root
-        return root
+        return self.namespace(spec).root
 
 
 def read_scope(grant: Grant, spec: pb.NamespaceSpec | None, roots: RootCache,
@@ -67,7 +76,8 @@ def read_scope(grant: Grant, spec: pb.NamespaceSpec | None, roots: RootCache,
                 "namespace (upgrade the client: this node enforces tenants)")
         return ReadScope(grant, None, reader_node_id)
     grant.check_read(spec.cache_salt)
-    return ReadScope(grant, roots.root(spec), reader_node_id if grant.admin else "")
+    ns = roots.namespace(spec)
+    return ReadScope(grant, ns.root, reader_node_id if grant.admin else "", ns)
 
 
 def spec_of(request: pb.KeysRequest | pb.LeaseRequest) -> pb.NamespaceSpec | None:

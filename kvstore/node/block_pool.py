@@ -24,6 +24,7 @@ import numpy as np
 from kvstore.api import PoolStats
 from kvstore.constants import align_up
 from kvstore.errors import BlockNotFound, KVStoreError, PoolFull
+from kvstore.keys import Namespace
 from kvstore.node.arena import Arena, ExtentAllocator
 from kvstore.node.pool_contract import BlockLocation as BlockLocation
 from kvstore.node.pool_contract import Lease as Lease
@@ -108,17 +109,30 @@ class BlockPool:
             self._reserved_bytes += align_up(nbytes)
         return res
 
-    def commit(self, reservation: Reservation) -> bool:
-        """Make a reserved block visible; False (space freed) if the key was published first."""
+    def commit(self, reservation: Reservation, lease_id: int | None = None) -> bool:
+        """Make a reserved block visible; False (space freed) if the key was published first.
+
+        ``lease_id``: a live lease the block (or the copy published first) joins in the same
+        lock hold, so no eviction can take it between its commit and its lease (a disk
+        block promoted for a reader, ``TieredPool.lease``).
+        """
         with self._lock:
             self._take_reservation(reservation)
-            if reservation.key in self._entries:
+            entry = self._entries.get(reservation.key)
+            published = entry is None
+            if entry is not None:
                 self._alloc.free(reservation.offset, reservation.nbytes)
-                return False
-            self._entries[reservation.key] = _Entry(
-                reservation.key, reservation.offset, reservation.nbytes
-            )
-            return True
+            else:
+                entry = self._entries[reservation.key] = _Entry(
+                    reservation.key, reservation.offset, reservation.nbytes)
+            if lease_id is not None:
+                record = self._leases.get(lease_id)
+                if record is not None:  # the lease counted the key a miss: a hit after all
+                    entry.num_leases += 1
+                    record.entries.append(entry)
+                    self._counters.hits += 1
+                    self._counters.misses -= 1
+            return published
 
     def reserve_many(self, keys: Sequence[bytes], nbytes: int) -> list[Reservation | None]:
         """``reserve`` for a batch of equal-sized blocks in one lock hold: a reservation per
@@ -208,13 +222,39 @@ class BlockPool:
             with self._lock:
                 self._drop_lease_locked(entry)
 
+    def copy_out(self, key: bytes) -> bytes | None:
+        """A copy of a block's bytes for the pool's own use (demotion to a slower tier): not a
+        read, so neither a hit nor a use in the LRU order; None if absent."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            entry.num_leases += 1
+        try:
+            return bytes(self._arena.view[entry.offset : entry.offset + entry.nbytes])
+        finally:
+            with self._lock:
+                self._drop_lease_locked(entry)
+
+    def evictable(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether ``evict`` would take each key now (held, not pinned, not leased)."""
+        with self._lock:
+            self._reap_expired_locked(time.monotonic())
+            out = []
+            for key in keys:
+                entry = self._entries.get(key)
+                out.append(entry is not None and not entry.pinned and not entry.num_leases)
+            return out
+
     def get(self, key: bytes) -> bytes:
         """A copy of a block's bytes; BlockNotFound if absent."""
         with self.read(key) as view:
             return bytes(view)
 
-    def lease(self, keys: Sequence[bytes], ttl_s: float) -> Lease:
-        """Pin the present blocks' bytes for ``ttl_s`` seconds or until ``release``."""
+    def lease(self, keys: Sequence[bytes], ttl_s: float,
+              namespace: Namespace | None = None, *, files: bool = False) -> Lease:
+        """Pin the present blocks' bytes for ``ttl_s`` seconds or until ``release``. Neither
+        ``namespace`` nor ``files`` matters here: arena blocks were verified on Put."""
         if not ttl_s > 0:
             raise ValueError(f"lease ttl_s must be > 0 seconds, got {ttl_s}")
         now = time.monotonic()
@@ -237,6 +277,13 @@ class BlockPool:
             heapq.heappush(self._expiry_heap, (record.expires_at, lease_id))
         locations = [BlockLocation(e.key, e.offset, e.nbytes) for e in entries]
         return Lease(lease_id, locations, record.expires_at)
+
+    def leased_locations(self, lease_id: int) -> list[BlockLocation]:
+        """Where a live lease's blocks lie, in the order they joined it ([] once it ended)."""
+        with self._lock:
+            record = self._leases.get(lease_id)
+            entries = list(record.entries) if record is not None else []
+        return [BlockLocation(e.key, e.offset, e.nbytes) for e in entries]
 
     def renew(self, lease_id: int, ttl_s: float) -> bool:
         """Extend a live lease to ``ttl_s`` from now; False if it ended already."""

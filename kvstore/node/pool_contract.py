@@ -16,15 +16,19 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvstore.api import PoolStats
+from kvstore.keys import Namespace
 
 
 @dataclass(slots=True)
 class BlockLocation:
-    """Where a leased block lies in the pool's shared segment, for same-node readers."""
+    """Where a leased block lies for same-node readers: in the pool's shared segment at
+    ``offset``, or, when ``path`` is set, the whole file at ``path`` (a disk-tier block a
+    reader that accepts files reads straight into its buffer; ``offset`` is 0)."""
 
     key: bytes
     offset: int
     nbytes: int
+    path: str = ""
 
 
 @dataclass(slots=True)
@@ -66,7 +70,8 @@ class ServedPool(Protocol):
     def nbytes_of(self, key: bytes) -> int | None: ...
     def read(self, key: bytes) -> AbstractContextManager[memoryview]: ...
     def leased_bytes(self, offset: int, nbytes: int) -> memoryview: ...
-    def lease(self, keys: Sequence[bytes], ttl_s: float) -> Lease: ...
+    def lease(self, keys: Sequence[bytes], ttl_s: float,
+              namespace: Namespace | None = None, *, files: bool = False) -> Lease: ...
     def renew(self, lease_id: int, ttl_s: float) -> bool: ...
     def release(self, lease_id: int) -> None: ...
     def delete(self, key: bytes) -> bool: ...

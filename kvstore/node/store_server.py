@@ -120,7 +120,9 @@ class _Servicer(PutPath, pb_grpc.StoreNodeServicer):
                 self.s.leases.check_room(grant.subject)
             wanted = [k for k, ok in zip(keys, self.s.visible(keys, scope.root), strict=True)
                       if ok]
-            lease = self.pool.lease(wanted, ttl)  # absent keys are left out of the lease
+            # absent keys are left out of the lease; disk blocks are checked in the namespace
+            lease = self.pool.lease(wanted, ttl, namespace=scope.namespace,
+                                    files=request.accept_files)
         except (KVStoreError, ValueError) as exc:
             abort_with(context, exc)
         lease_id = self.s.leases.track(lease.lease_id, lease.expires_at, grant.subject)
@@ -129,8 +131,8 @@ class _Servicer(PutPath, pb_grpc.StoreNodeServicer):
         self.s.record_reads([k for k in keys if k in got], scope.reader_node_id)
         return pb.LeaseResponse(
             lease_id=lease_id,
-            locations=[pb.BlockLocation(key=loc.key, offset=loc.offset, nbytes=loc.nbytes)
-                       for loc in lease.locations],
+            locations=[pb.BlockLocation(key=loc.key, offset=loc.offset, nbytes=loc.nbytes,
+                                        file=loc.path) for loc in lease.locations],
             missing=[k for k in keys if k not in got],
             expires_at=time.time() + ttl,  # the pool's clock is monotonic: send wall time
             shm_path=self.pool.path,

@@ -83,28 +83,32 @@ class GetChunk(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., found: _Optional[bool] = ..., total_nbytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("keys", "ttl_s", "reader_node_id", "release_lease_ids", "namespace")
+    __slots__ = ("keys", "ttl_s", "reader_node_id", "release_lease_ids", "namespace", "accept_files")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     READER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_FILES_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     ttl_s: float
     reader_node_id: str
     release_lease_ids: _containers.RepeatedScalarFieldContainer[str]
     namespace: NamespaceSpec
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ..., reader_node_id: _Optional[str] = ..., release_lease_ids: _Optional[_Iterable[str]] = ..., namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ...) -> None: ...
+    accept_files: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ..., reader_node_id: _Optional[str] = ..., release_lease_ids: _Optional[_Iterable[str]] = ..., namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., accept_files: _Optional[bool] = ...) -> None: ...
 
 class BlockLocation(_message.Message):
-    __slots__ = ("key", "offset", "nbytes")
+    __slots__ = ("key", "offset", "nbytes", "file")
     KEY_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     offset: int
     nbytes: int
-    def __init__(self, key: _Optional[bytes] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    file: str
+    def __init__(self, key: _Optional[bytes] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., file: _Optional[str] = ...) -> None: ...
 
 class LeaseResponse(_message.Message):
     __slots__ = ("lease_id", "locations", "missing", "expires_at", "shm_path")

@@ -151,6 +151,7 @@ def _bare_node(pool: BlockPool, plans: list[list[bytes]]):
 
     node = object.__new__(StoreNode)
     node.pool = pool
+    node.tiered = None  # no disk tier (tests/cluster/test_disk_tier_node.py has one)
     node.node_id = "n" * 56
     node.server = _FakeServer()
     node._redis = None

@@ -91,3 +91,14 @@ def test_size_bound_drops_the_oldest() -> None:
     view.put(keys_of(9), "a")
     assert len(view._known) <= 8
     assert view._get(keys_of(9)[-1], 100.0) == ["a"]
+
+
+def test_holders_another_reader_was_told_are_trusted_for_ttl_only() -> None:
+    index, view, clock = make_view()
+    keys = keys_of(3)
+    publish(index, keys, "a")
+    view.remember(keys, index.lookup_prefix(keys).holders)  # e.g. vLLM's scheduler's lookup
+    assert view.holders(keys) == [["a"]] * 3 and view.num_remote == 0
+    clock.now += 2.0
+    publish(index, keys, "b")
+    assert view.holders(keys) == index.holders(keys) and view.num_remote == 1
