@@ -10,15 +10,22 @@ by two questions, greedy decoding, every vLLM instance pinned to one core
 2. a kvstore cluster (a private Ray head) and instance A with the connector: the first
    questions, which publish each system prompt;
 3. a fresh instance B with the connector: the second questions, whose prefix exists only in
-   kvstore.
+   kvstore;
+4. the same A-then-fresh-B run through Mooncake's store connector and LMCache's (at chunk
+   256 and 128, the faster counts), each in its own venv (``benchmarks/baselines/setup.sh``;
+   they cannot share kvstore's: LMCache needs protobuf < 7) with its own servers, measured by
+   the same instance code.
+5. ``benchmarks.bench_vllm_pd`` in a process of its own: 8 users sharing a system prompt
+   through ``kvstore serve --engine vllm`` (one prefill, one decode vLLM instance) against one
+   vLLM instance doing both; its figures join this run's (``pd_*`` and
+   ``ratio_throughput_pd_vs_single``).
 
 ``ratio_warm_xinstance_vs_local_prefix_cache`` is B's TTFT over the floor's (median over the
-systems); ``cached_tokens_vs_full_blocks`` B's cached tokens over the system prompts' full
-blocks; ``outputs_equal`` B's tokens against the no-connector instance's for the same prompts.
-Mooncake's and LMCache's connectors are not measured here: they do not install beside the
-project (LMCache needs protobuf < 7, kvstore >= 7.36; Mooncake's store needs libibverbs and a
-separate master and client), and no P/D front end for vLLM engines exists yet: the JSON says so
-under ``skipped``.
+systems); ``ratio_warm_xinstance_vs_{mooncake,lmcache}`` B's over the baseline's B (lower is
+better: kvstore's time over theirs); ``cached_tokens_vs_full_blocks`` B's cached tokens over the
+system prompts' full blocks; ``outputs_equal`` B's tokens against the no-connector instance's
+for the same prompts. A baseline whose venv is missing or that fails is listed under
+``skipped`` with its reason.
 """
 
 from __future__ import annotations
@@ -36,16 +43,12 @@ from typing import Any
 
 import torch
 
+from benchmarks.baselines.instance import Fresh, best_xinstance
 from benchmarks.common import parse_args, report
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 32
-SKIPPED = {
-    "ratio_warm_xinstance_vs_mooncake": "Mooncake's store does not install beside kvstore "
-    "(libibverbs, its own master and client processes)",
-    "ratio_warm_xinstance_vs_lmcache": "LMCache 0.5.6 needs protobuf < 7; kvstore needs >= 7.36",
-    "ratio_throughput_pd_vs_single": "no prefill/decode front end for vLLM engines yet",
-}
+SKIPPED: dict[str, str] = {}
 
 
 def _flags(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +68,9 @@ def build_model(path: Path, quick: bool) -> str:
 def prompts(quick: bool) -> list[tuple[list[int], list[int]]]:
     """(system, question) token ids: each system prompt twice, with two questions."""
     g = torch.Generator().manual_seed(7)
-    sizes = [512] if quick else [512, 1024, 2048]
+    # --quick: three systems of one size, so each figure is a median of three requests, not
+    # one instance's first (whose one-time costs are no connector's per-request cost)
+    sizes = [512, 512, 512] if quick else [512, 1024, 2048]
     out = []
     for n in sizes:
         system = torch.randint(5, 390, (n,), generator=g).tolist()
@@ -77,6 +82,7 @@ def prompts(quick: bool) -> list[tuple[list[int], list[int]]]:
 def instance(env: dict[str, str], model: str, batch: list[list[int]], role: str | None,
              max_tokens: int) -> list[dict[str, Any]]:
     job = {"model": model, "block_size": BLOCK, "max_tokens": max_tokens, "prompts": batch,
+           "warmup": True,
            "salts": [None] * len(batch), "role": role}
     done = subprocess.run([sys.executable, "-m", "benchmarks.vllm_instance", json.dumps(job)],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
@@ -99,6 +105,32 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
+def start_kvstore(env: dict[str, str]) -> list[str]:
+    """``kvstore start`` for this run (its state directory is in ``env``); the command line
+    that runs kvstore, for the matching ``stop``. A failed start ends the bench in one line."""
+    kvstore = [sys.executable, "-m", "kvstore.cli"]
+    started = subprocess.run([*kvstore, "start", "--capacity", "1GiB"], env=env,
+                             capture_output=True, text=True, timeout=300)
+    if started.returncode != 0:
+        lines = started.stderr.strip().splitlines()
+        raise SystemExit(f"kvstore start failed: {lines[-1] if lines else started.returncode}")
+    return kvstore
+
+
+def prefill_decode(env: dict[str, str], work: Path, quick: bool) -> dict[str, Any] | str:
+    """``bench_vllm_pd``'s figures (its own cluster and engines), or why there are none."""
+    out = work / "pd.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.bench_vllm_pd",
+                           *(["--quick"] if quick else []), "--json", str(out)],
+                          env={k: v for k, v in env.items() if k != "KVSTORE_STATE_DIR"},
+                          cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0 or not out.exists():
+        lines = done.stderr.strip().splitlines()
+        return f"bench_vllm_pd failed: {lines[-1] if lines else done.returncode}"
+    figures: dict[str, Any] = json.loads(out.read_text())
+    return figures
+
+
 def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
     model = build_model(work / "model", args.quick)
     pairs = prompts(args.quick)
@@ -108,11 +140,7 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
     plain = instance(env, model, [p for pair in zip(first, second, strict=True) for p in pair],
                      None, new_tokens)
     cold, floor = plain[0::2], plain[1::2]
-    kvstore = [sys.executable, "-m", "kvstore.cli"]
-    started = subprocess.run([*kvstore, "start", "--capacity", "1GiB"], env=env,
-                             capture_output=True, text=True, timeout=300)
-    if started.returncode != 0:
-        raise SystemExit(f"kvstore start failed: {started.stderr.strip().splitlines()[-1:]}")
+    kvstore = start_kvstore(env)
     try:
         instance(env, model, first, "kv_both", new_tokens)
         fresh = instance(env, model, second, "kv_both", new_tokens)
@@ -125,6 +153,15 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
     cold_s = statistics.median(r["ttft_s"] for r in cold)
     diff = max(abs(a - b) for x, y in zip(fresh, floor, strict=True)
                for a, b in zip(x["logprobs"], y["logprobs"], strict=True))
+    baselines: dict[str, Fresh] = {}
+    skipped = dict(SKIPPED)
+    for name in ("mooncake", "lmcache"):  # each starts and stops its own servers
+        got = best_xinstance(name, model, first, second, env, block_size=BLOCK,
+                             max_tokens=new_tokens)
+        if isinstance(got, str):
+            skipped[f"ratio_warm_xinstance_vs_{name}"] = got
+        else:
+            baselines[name] = got
     figures: dict[str, Any] = {
         "system_tokens": [len(s) for s in systems], "block_size": BLOCK,
         "ttft_cold_s": cold_s, "ttft_warm_local_prefix_cache_s": warm_local,
@@ -134,8 +171,28 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
         "cached_tokens_vs_full_blocks": sum(r["cached"] for r in fresh) / full,
         "outputs_equal": all(x["tokens"] == y["tokens"] for x, y in
                              zip(fresh, floor, strict=True)),
-        "max_logprob_diff": diff, "skipped": SKIPPED,
+        "max_logprob_diff": diff, "skipped": skipped,
     }
+    rows = []
+    for name, got in baselines.items():
+        figures[f"ratio_warm_xinstance_vs_{name}"] = warm_x / got.ttft_s
+        figures[f"ttft_warm_xinstance_{name}_s"] = got.ttft_s
+        figures[f"cached_tokens_vs_full_blocks_{name}"] = sum(
+            r["cached"] for r in got.results) / full
+        figures[f"outputs_equal_{name}"] = all(
+            x["tokens"] == y["tokens"] for x, y in zip(got.results, floor, strict=True))
+        rows.append((f"fresh from kvstore / fresh from {name}", f"{warm_x / got.ttft_s:.2f}",
+                     f"<= 1.0 ({name}: {got.ttft_s:.3f} s)"))
+    if "lmcache" in baselines:
+        figures["lmcache_chunk_size"] = baselines["lmcache"].chunk_size
+    pd = prefill_decode(env, work, args.quick)
+    if isinstance(pd, str):
+        skipped["ratio_throughput_pd_vs_single"] = pd
+    else:
+        figures.update({k if k.startswith("ratio_") else f"pd_{k}": v for k, v in pd.items()
+                        if isinstance(v, (int, float, bool))})
+        rows.append(("P/D / single instance, tokens per second",
+                     f"{pd['ratio_throughput_pd_vs_single']:.2f}", "> 1.0"))
     report("vLLM + kvstore connector (CPU, one core per instance)", [
         ("TTFT cold (s)", f"{cold_s:.3f}", ""),
         ("TTFT warm, vLLM's own prefix cache (s)", f"{warm_local:.3f}", "the floor"),
@@ -144,6 +201,7 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
         ("cached tokens / full blocks", f"{figures['cached_tokens_vs_full_blocks']:.2f}", "1.0"),
         ("outputs = no connector", str(figures["outputs_equal"]), "True"),
         ("largest logprob difference", f"{diff:.2e}", ""),
+        *rows,
     ], figures, args.json)
 
 

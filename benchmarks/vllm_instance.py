@@ -3,49 +3,103 @@
 vLLM spawns its engine processes, and "a fresh instance" means a process whose only copy of a
 prefix can be in the connector's store, so each instance is ``python -m
 benchmarks.vllm_instance JOB`` with a JSON job: the checkpoint, block size, prompts (token ids)
-with their cache salts, and the connector role (none: no connector). For each prompt it
+with their cache salts, and the connector role (none: no connector), or a whole
+``kv_transfer_config`` for another connector. For each prompt it
 measures the time to the first token (a one-token generation) and then generates
 ``max_tokens`` greedily; it prints one line ``RESULTS <json>``: per prompt the TTFT, the
 tokens, each token's logprob, and the prompt tokens vLLM did not compute (``cached``).
+``together`` submits every prompt in one batch instead (vLLM admits and decodes them together;
+no TTFT). ``warmup`` runs one unrelated request first, untimed (a served instance is warm: its
+first request's one-time costs are not a cache's; ``WARMUP_PROMPT``). ``stop_cluster_after`` (a
+prompt index) stops the kvstore cluster (``kvstore stop``) once that prompt is done: the fault
+tests' cluster that goes away while an instance runs. ``bypass``: the connector neither loads
+nor saves (``kvstore_bypass``): the same engine without the cache, the reference a cached run
+is compared with.
+
+``phases`` (a list of such jobs' prompt settings: ``prompts``, ``salts``, ``together``,
+``bypass``, ``stop_cluster_after``) runs one after another on the same engine, vLLM's own
+prefix cache reset before each phase, so a test pays for one engine start, not one per phase;
+their results are printed as one list, in order.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from typing import Any
 
+#: The warm-up request: the same in every instance, so an instance B meets it in its
+#: connector's store (published by A's warm-up) and its first load, whose one-time costs are
+#: no connector's per-request cost, is untimed. 288 tokens: whole blocks of 32 and one whole
+#: chunk of 256 (LMCache saves whole chunks only), for every connector alike.
+WARMUP_PROMPT = [3 + (i * 7919) % 300 for i in range(288)]
+
 
 def run(job: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     kwargs: dict[str, Any] = dict(
         model=job["model"], dtype="float32", max_model_len=job.get("max_model_len", 4096),
         gpu_memory_utilization=0.15, enforce_eager=True, block_size=job["block_size"],
         enable_prefix_caching=True)
-    if job.get("role"):
+    if job.get("kv_transfer_config"):  # another connector (benchmarks/baselines/)
+        kwargs["kv_transfer_config"] = job["kv_transfer_config"]
+    elif job.get("role"):
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVStoreConnector",
             "kv_connector_module_path": "kvstore.integrations.vllm",
             "kv_role": job["role"], "kv_connector_extra_config": job.get("extra", {})}
     llm = LLM(**kwargs)
     first = SamplingParams(max_tokens=1, temperature=0)
-    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0, logprobs=1)
-    results = []
-    for prompt, salt in zip(job["prompts"], job["salts"], strict=True):
-        request: dict[str, Any] = {"prompt_token_ids": prompt}
+    if job.get("warmup"):  # a served instance is warm: one unrelated request first, untimed
+        llm.generate([TokensPrompt(prompt_token_ids=WARMUP_PROMPT)], first, use_tqdm=False)
+    results: list[dict[str, Any]] = []
+    for n, phase in enumerate(job.get("phases") or [job]):
+        if n:
+            llm.reset_prefix_cache()  # each phase meets only what the connector holds
+        results += _phase(llm, job, phase)
+    return results
+
+
+def _phase(llm: Any, job: dict[str, Any], phase: dict[str, Any]) -> list[dict[str, Any]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = {"kv_transfer_params": {"kvstore_bypass": True}} if phase.get("bypass") else None
+    first = SamplingParams(max_tokens=1, temperature=0, extra_args=extra)
+    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0, logprobs=1,
+                            extra_args=extra)
+    requests = []
+    salts = phase.get("salts") or [None] * len(phase["prompts"])
+    for prompt, salt in zip(phase["prompts"], salts, strict=True):
+        request = TokensPrompt(prompt_token_ids=prompt)
         if salt:
             request["cache_salt"] = salt
+        requests.append(request)
+    if phase.get("together"):  # one batch: vLLM admits and decodes them together (no TTFT)
+        return [_result(out, None, out.num_cached_tokens)
+                for out in llm.generate(requests, params, use_tqdm=False)]
+    results = []
+    for n, request in enumerate(requests):
         t0 = time.perf_counter()
         [head] = llm.generate([request], first, use_tqdm=False)
         ttft = time.perf_counter() - t0
         [out] = llm.generate([request], params, use_tqdm=False)
-        logprobs = [max(step.values(), key=lambda lp: lp.logprob).logprob
-                    for step in out.outputs[0].logprobs or []]
-        results.append({"ttft_s": ttft, "tokens": list(out.outputs[0].token_ids),
-                        "logprobs": logprobs, "cached": head.num_cached_tokens})
+        results.append(_result(out, ttft, head.num_cached_tokens))
+        if n == phase.get("stop_cluster_after"):
+            subprocess.run([sys.executable, "-m", "kvstore.cli", "stop"], check=True,
+                           capture_output=True, timeout=300)
     return results
+
+
+def _result(out: Any, ttft: float | None, cached: int | None) -> dict[str, Any]:
+    logprobs = [max(step.values(), key=lambda lp: lp.logprob).logprob
+                for step in out.outputs[0].logprobs or []]
+    return {"ttft_s": ttft, "tokens": list(out.outputs[0].token_ids), "logprobs": logprobs,
+            "cached": cached}
 
 
 def main() -> None:

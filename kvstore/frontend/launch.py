@@ -30,6 +30,7 @@ from kvstore.command_flags import SERVE_FLAGS, WORKER_FLAGS, config_from_flags, 
 from kvstore.command_output import Steps
 from kvstore.config import KVStoreConfig, ServeConfig
 from kvstore.errors import ConfigError
+from kvstore.frontend.engines import ServeEngine, kvstore_engine
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,11 @@ def make_config(args: argparse.Namespace) -> KVStoreConfig:
     return config
 
 
-def model_card(config: KVStoreConfig) -> Any:
-    """The served model's name, context length and vocabulary, from its config only."""
+def model_card(config: KVStoreConfig, max_model_len: int | None = None) -> Any:
+    """The served model's name, context length and vocabulary, from its config only.
+
+    ``max_model_len``: an engine's own limit, when it is shorter than the checkpoint's.
+    """
     from kvstore.frontend.protocol import ModelCard
     from kvstore.workers.model.causal_lm import PRESETS
 
@@ -71,6 +75,8 @@ def model_card(config: KVStoreConfig) -> Any:
         cfg = AutoConfig.from_pretrained(spec, local_files_only=True)
         max_len, vocab = int(cfg.max_position_embeddings), int(cfg.vocab_size)
         name = os.path.basename(os.path.normpath(spec))
+    if max_model_len is not None:
+        max_len = min(max_len, max_model_len)
     return ModelCard(config.serve.model_name or name, max_len, vocab, int(time.time()))
 
 
@@ -80,19 +86,21 @@ def initial_replicas(sc: ServeConfig, replicas: int) -> int:
 
 
 def build_app(config: KVStoreConfig, tokenizer_path: str | None,
-              gpus_per_replica: float = 0.0) -> Any:
+              gpus_per_replica: float = 0.0, engine: ServeEngine | None = None) -> Any:
     """The Serve application: the HTTP front end bound to prefill and decode deployments.
 
     ``gpus_per_replica`` (``kvstore.workers.replicas.placement``, resolved against the cluster) is
     what each prefill and decode replica asks Ray for; the front end itself asks for none.
+    ``engine`` says what computes in the replicas (default: kvstore's own engine).
     """
     from kvstore.frontend.app import OpenAIServer
-    from kvstore.frontend.serve_replicas import DecodeServer, PrefillServer
     from kvstore.workers.model.causal_lm import generation_stop_ids
 
     sc = config.serve
+    engine = engine or kvstore_engine()
+    prefill_cls, decode_cls = engine.deployments()
 
-    def scaled(replicas: int) -> dict[str, Any]:
+    def scaled(replicas: int, role: str) -> dict[str, Any]:
         opts: dict[str, Any] = {"max_ongoing_requests": sc.max_ongoing_requests,
                                 "max_queued_requests": sc.max_queued_requests,
                                 # The prefix's node first, then Serve's own choice.
@@ -100,8 +108,8 @@ def build_app(config: KVStoreConfig, tokenizer_path: str | None,
                                                           "kvstore.frontend.routing."
                                                           "PrefixAffinityRouter"},
                                 # Replaces the decorator's options, so num_cpus is repeated.
-                                "ray_actor_options": {"num_cpus": 0,
-                                                      "num_gpus": gpus_per_replica}}
+                                "ray_actor_options": engine.actor_options(role,
+                                                                          gpus_per_replica)}
         if sc.autoscaling:
             opts["autoscaling_config"] = {
                 "min_replicas": sc.min_replicas, "max_replicas": sc.max_replicas,
@@ -112,13 +120,13 @@ def build_app(config: KVStoreConfig, tokenizer_path: str | None,
         return opts
 
     # Serve's decorator turns the classes into Deployments, which mypy cannot see.
-    prefill = PrefillServer.options(  # type: ignore[attr-defined]
-        **scaled(sc.prefill_replicas)).bind(config)
-    decode = DecodeServer.options(  # type: ignore[attr-defined]
-        **scaled(sc.decode_replicas)).bind(config)
+    prefill = prefill_cls.options(**scaled(sc.prefill_replicas, "prefill")).bind(
+        config, *engine.bind_args)
+    decode = decode_cls.options(**scaled(sc.decode_replicas, "decode")).bind(
+        config, *engine.bind_args)
     eos = tuple(generation_stop_ids(config.worker.model))
     return OpenAIServer.bind(  # type: ignore[attr-defined]
-        model_card(config), config, tokenizer_path, eos, prefill, decode)
+        model_card(config, engine.max_model_len), config, tokenizer_path, eos, prefill, decode)
 
 
 def check_model(config: KVStoreConfig, tokenizer_path: str | None) -> None:
@@ -186,9 +194,11 @@ def _shutdown_serve_if_unused(serve: Any) -> None:
             serve.shutdown()
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace, engine: ServeEngine | None = None) -> int:
+    """Run ``kvstore serve`` until Ctrl-C; ``engine``: what the replicas compute with."""
     from kvstore.cluster.address import LOCAL, resolve
 
+    engine = engine or kvstore_engine()
     config = make_config(args)
     sc = config.serve
     resolved = resolve(args.address)
@@ -196,7 +206,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_port(sc.host, sc.port)
     steps = Steps.for_command()
     with steps.phase(f"checking the model {config.worker.model}"):
-        check_model(config, args.tokenizer)
+        (engine.check_model or check_model)(config, args.tokenizer)
     import ray
     from ray import serve
 
@@ -231,13 +241,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         with steps.phase(f"starting Ray Serve: {num_prefill} prefill and {num_decode} decode "
                          f"replicas, until {url}/health answers"):
             serve.start(http_options={"host": sc.host, "port": sc.port})
-            serve.run(build_app(config, args.tokenizer, gpus), name=APP_NAME, route_prefix="/",
-                      blocking=False)
+            serve.run(build_app(config, args.tokenizer, gpus, engine), name=APP_NAME,
+                      route_prefix="/", blocking=False)
             _wait_ready(url, stop, gpus)
         if args.ready_file:
             Path(args.ready_file).write_text(url + "\n")
+        engines = "" if engine.name == kvstore_engine().name else f" {engine.name}"
         print(f"kvstore serve: {model_card(config).name} at {url}/v1 "
-              f"({sc.prefill_replicas} prefill, {sc.decode_replicas} decode replicas"
+              f"({sc.prefill_replicas} prefill, {sc.decode_replicas} decode{engines} replicas"
               f"{f', {gpus:g} GPU each' if gpus else ''}"
               f"{', autoscaling' if sc.autoscaling else ''}"
               f"{', API key required' if sc.api_key else ''}); Ctrl-C stops it",

@@ -24,8 +24,7 @@ error, or a device-side assert on CUDA).
 
 from __future__ import annotations
 
-import math
-
+import numpy as np
 import torch
 
 from kvstore.constants import DTYPE_NAMES
@@ -176,7 +175,8 @@ def kv_cache_scatter(
         if ntokens == 0:
             return past
         if rows is not None:  # whole runs of `unit` rows when every offset and length allow
-            unit = math.gcd(ratio, *offs_h.tolist(), *lens_h.tolist())
+            # one vectorized reduction: a connector's call spans every run of vLLM's cache
+            unit = int(np.gcd.reduce(np.concatenate(([ratio], offs_h, lens_h))))
         index = host_scatter_rows(offs_h, lens_h, ratio, unit, past.device)
     elif ntokens == 0:
         return past
@@ -377,7 +377,7 @@ def paged_cache_load(
         # Move runs of `unit` tokens at once when every sequence's start and length, the block
         # size and the caches' row ratios are multiples of it (block-aligned starts, say).
         if layout == "ND" and k_rows is not None and v_rows is not None:
-            unit = math.gcd(block_size, *ratios, *starts_n.tolist(), *lens.tolist())
+            unit = int(np.gcd.reduce(np.concatenate(([block_size, *ratios], starts_n, lens))))
         k_index, v_index = host_load_rows(table_h, lens, starts_n, block_size, unit, num_blocks,
                                           ratios, device)
     else:

@@ -106,10 +106,12 @@ def check_scatter(token_offset: AnyInts, seq_len: AnyInts, ntokens: int,
     offs, lens = token_offset.astype(np.int64), seq_len.astype(np.int64)
     total = int(lens.sum())
     # Valid values, the usual case, pass in four reductions; the rules below name what is wrong.
-    if total == ntokens and lens.size and lens.min() > 0 and (offs - lens).min() >= 0 \
+    if total == ntokens and lens.size and lens.min() >= 0 and (offs - lens).min() >= 0 \
             and offs.max() <= max_seq_len:
         return offs, lens
-    first_bad("seq_len", lens, lens <= 0, "every seq_len must be > 0")
+    # A sequence with nothing new this call (0) writes nothing, as the spec's loop does; it lets
+    # one call address a few of many sequences (a connector loading some of vLLM's blocks).
+    first_bad("seq_len", lens, lens < 0, "every seq_len must be >= 0")
     if total != ntokens:
         raise ValueError(f"sum(seq_len) = {total} must equal new_kv's ntokens = {ntokens}")
     first_bad("token_offset", offs, offs < lens, "token_offset[i] must be >= seq_len[i]")

@@ -2,8 +2,13 @@
 
 Instance A computes prompts that share a system prompt; a fresh instance B, whose only copy of
 that prefix is in kvstore, reports the shared full blocks as cached and generates exactly what
-the same engine generates with no connector. Each engine is a process of its own; the module
-starts one kvstore cluster (a private Ray head) and stops it by PID at the end.
+the same engine generates with no connector. Faults end in a recompute with the same output: a
+block corrupted in the store node's arena, and the whole cluster stopped while an instance runs
+(the last phase of B: it stops the module's cluster). Each engine is a process of its own; the
+module starts one kvstore cluster (a private Ray head) and two engines: A computes every prompt
+the tests compare against with the connector bypassed (the same engine without the cache), then
+publishes; B runs the cached requests, then the cluster-gone ones (``vllm_instance``'s phases,
+vLLM's own prefix cache reset between them).
 Skips where vLLM is not installed, unless ``KVSTORE_REQUIRE_VLLM=1``.
 """
 
@@ -22,10 +27,20 @@ from tests.support.checkpoint import build_checkpoint
 if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
 
+# A test's setup may start the module's engines (~20-40 s each on 2 busy cores).
+pytestmark = pytest.mark.timeout(1200)
+
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
 SYSTEM = [(i * 37) % 350 + 5 for i in range(300)]  # 9 full blocks and 12 tokens
 QUESTIONS = [[11, 12, 13, 14], [21, 22, 23, 24, 25, 26]]
+PROMPTS = [SYSTEM + q for q in QUESTIONS]
+DAMAGED = [(i * 53) % 350 + 7 for i in range(200)]  # 6 full blocks and 8 tokens
+DAMAGED_PROMPTS = [DAMAGED + [41, 42], DAMAGED + [43, 44, 45]]
+LATE = [(i * 29) % 350 + 9 for i in range(140)]
+LATE_PROMPTS = [LATE + [51], LATE + [52, 53], LATE + [54, 55, 56]]
+SALTED = SYSTEM + [31, 32, 33]
+ALL = PROMPTS + DAMAGED_PROMPTS + LATE_PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -51,32 +66,83 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 def run_engine(env: dict[str, str], checkpoint: str, prompts: list[list[int]],
-               salts: list[str | None], role: str | None = "kv_both") -> list[dict]:
+               salts: list[str | None], role: str | None = "kv_both",
+               logs: list[str] | None = None, **extra: object) -> list[dict]:
+    """One fresh instance's results per prompt; its stderr is appended to ``logs``."""
     job = {"model": checkpoint, "block_size": BLOCK, "max_tokens": 8, "prompts": prompts,
-           "salts": salts, "role": role}
+           "salts": salts, "role": role, **extra}
     done = subprocess.run([sys.executable, "-m", "benchmarks.vllm_instance", json.dumps(job)],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
+    if logs is not None:
+        logs.append(done.stderr)
     return json.loads(lines[-1].removeprefix("RESULTS "))
 
 
-def test_a_fresh_instance_reuses_the_shared_prefix_and_generates_the_same(cluster, checkpoint):
-    prompts = [SYSTEM + q for q in QUESTIONS]
-    reference = run_engine(cluster, checkpoint, prompts, [None, None], role=None)
-    run_engine(cluster, checkpoint, [prompts[0]], [None])  # instance A publishes the prefix
-    fresh = run_engine(cluster, checkpoint, [prompts[1]], [None])  # instance B
-    full_blocks = (len(prompts[1]) - 1) // BLOCK * BLOCK
-    assert fresh[0]["cached"] == len(SYSTEM) // BLOCK * BLOCK <= full_blocks
-    assert fresh[0]["tokens"] == reference[1]["tokens"]
-    diff = max(abs(a - b) for a, b in zip(fresh[0]["logprobs"], reference[1]["logprobs"],
-                                          strict=True))
+@pytest.fixture(scope="module")
+def reference(cluster, checkpoint) -> dict[tuple[int, ...], dict]:
+    """Instance A: every prompt of the module with the connector bypassed (kvstore neither
+    read nor written: the reference), then the first prompt of each shared prefix, which
+    publishes its blocks (one of them as tenant ``tenant-a``)."""
+    results = run_engine(cluster, checkpoint, [], [], phases=[
+        {"prompts": ALL, "bypass": True},
+        {"prompts": [PROMPTS[0], DAMAGED_PROMPTS[0], SALTED],
+         "salts": [None, None, "tenant-a"]}])
+    return {tuple(p): r for p, r in zip(ALL, results[:len(ALL)], strict=True)}
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert got["tokens"] == want["tokens"]
+    diff = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True))
     assert diff < 1e-4, diff
 
 
-def test_two_salts_never_share_a_block(cluster, checkpoint):
-    prompt = SYSTEM + [31, 32, 33]
-    run_engine(cluster, checkpoint, [prompt], ["tenant-a"])
-    other = run_engine(cluster, checkpoint, [prompt, prompt], ["tenant-b", "tenant-a"])
-    assert other[0]["cached"] == 0
-    assert other[1]["cached"] == len(SYSTEM) // BLOCK * BLOCK
+@pytest.fixture(scope="module")
+def fresh(cluster, checkpoint, reference) -> tuple[list[dict], str]:
+    """A fresh instance B, after block 3 of the damaged prefix was corrupted in the store
+    node's arena: one batch of the second question, the salted prompt as two tenants and the
+    damaged prompt's second question. vLLM admits them together, so the first loads in its
+    forward and the others asynchronously (``load_mode`` auto: others are in flight). Then,
+    one by one, three prompts of another prefix, the module's cluster stopped after the first
+    (results 4 to 6). Its results, and its log."""
+    job = {"checkpoint": checkpoint, "block_size": BLOCK, "tokens": DAMAGED, "block": 3}
+    done = subprocess.run([sys.executable, "-m", "tests.support.vllm_blocks", json.dumps(job)],
+                          env=cluster, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "CORRUPTED" in done.stdout, done.stderr[-3000:]
+    logs: list[str] = []
+    results = run_engine(cluster, checkpoint, [], [], logs=logs, phases=[
+        {"prompts": [PROMPTS[1], SALTED, SALTED, DAMAGED_PROMPTS[1]],
+         "salts": [None, "tenant-b", "tenant-a", None], "together": True},
+        {"prompts": LATE_PROMPTS, "stop_cluster_after": 0}])
+    return results, logs[0]
+
+
+def test_a_fresh_instance_reuses_the_shared_prefix_and_generates_the_same(
+        reference, fresh):
+    got = fresh[0][0]
+    full_blocks = (len(PROMPTS[1]) - 1) // BLOCK * BLOCK
+    assert got["cached"] == len(SYSTEM) // BLOCK * BLOCK <= full_blocks
+    assert_same(got, reference[tuple(PROMPTS[1])])
+
+
+def test_two_salts_never_share_a_block(fresh):
+    results, _ = fresh
+    assert results[1]["cached"] == 0  # tenant-b: nothing, though tenant-a's copy is in kvstore
+    assert results[2]["cached"] == len(SYSTEM) // BLOCK * BLOCK
+
+
+def test_a_corrupted_block_is_recomputed_and_the_output_is_the_same(reference, fresh):
+    results, log = fresh
+    # vLLM counts an asynchronous load's tokens as cached when it admits the request, so the
+    # rejection shows in the connector's report: blocks 3, 4 and 5 are recomputed.
+    assert "3 of 6 blocks" in log and "vLLM recomputes them" in log
+    assert_same(results[3], reference[tuple(DAMAGED_PROMPTS[1])])
+
+
+def test_a_cluster_that_goes_away_mid_run_means_recompute_not_failure(reference, fresh):
+    """B's last phase: the cluster stopped after its first prompt."""
+    got = fresh[0][4:]
+    assert len(got) == len(LATE_PROMPTS)  # every request answered, none failed or hung
+    for result, prompt in zip(got, LATE_PROMPTS, strict=True):
+        assert_same(result, reference[tuple(prompt)])

@@ -68,3 +68,20 @@ def test_salts_and_numerics_separate_keys() -> None:
     assert keys(None) == keys("")
     assert keys("tenant-a") != keys("tenant-b") != keys(None)
     assert keys(None) != keys(None, tag.replace("0.32.0", "0.33.0"))
+
+
+def test_the_fingerprint_is_remembered_until_a_file_changes(checkpoints, tmp_path) -> None:
+    """vLLM's scheduler and workers each build a connector: the second reads no weights."""
+    a, _, _ = checkpoints
+    own = tmp_path / "own"
+    own.mkdir()
+    for f in a.iterdir():
+        (own / f.name).write_bytes(f.read_bytes())
+    cache = tmp_path / "fingerprints"
+    first = checkpoint_fingerprint(own, cache)
+    [remembered] = list(cache.iterdir())
+    remembered.write_text("0" * 64)  # what a second process would now be told
+    assert checkpoint_fingerprint(own, cache) == "0" * 64
+    weights = next(own.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes())  # same bytes, but rewritten: read again
+    assert checkpoint_fingerprint(own, cache) == first

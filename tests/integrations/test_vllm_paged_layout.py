@@ -24,6 +24,16 @@ def flash_cache() -> torch.Tensor:
     return torch.randn(2, NB, BS, H, D)
 
 
+def permuted_flash_cache() -> torch.Tensor:
+    """The flash shape over a head-major allocation (a backend's stride order): no whole-layer
+    view exists, so loads take the per-block path."""
+    return torch.randn(2, NB, H, BS, D).permute(0, 1, 3, 2, 4)
+
+
+MAKERS = pytest.mark.parametrize("make", [cpu_cache, flash_cache, permuted_flash_cache],
+                                 ids=["cpu", "flash", "permuted"])
+
+
 def reference_block(cache: torch.Tensor, block: int) -> torch.Tensor:
     """[2, block_size, H, D] of one block, read by plain indexing of the backend's layout."""
     if cache.dim() == 4:  # K rows then V rows per (block, head)
@@ -32,7 +42,13 @@ def reference_block(cache: torch.Tensor, block: int) -> torch.Tensor:
     return cache[:, block]
 
 
-@pytest.mark.parametrize("make", [cpu_cache, flash_cache], ids=["cpu", "flash"])
+def test_whole_layer_views_where_the_strides_allow() -> None:
+    assert layer_cache(cpu_cache(), H, D).rows is not None
+    assert layer_cache(flash_cache(), H, D).rows is not None
+    assert layer_cache(permuted_flash_cache(), H, D).rows is None
+
+
+@MAKERS
 def test_gather_reads_each_block_like_plain_indexing(make) -> None:
     caches = [make() for _ in range(L)]
     layers = [layer_cache(c, H, D) for c in caches]
@@ -44,7 +60,7 @@ def test_gather_reads_each_block_like_plain_indexing(make) -> None:
             assert torch.equal(out[n, i], reference_block(c, b))
 
 
-@pytest.mark.parametrize("make", [cpu_cache, flash_cache], ids=["cpu", "flash"])
+@MAKERS
 def test_scatter_writes_only_the_named_blocks(make) -> None:
     caches = [make() for _ in range(L)]
     before = [c.clone() for c in caches]

@@ -51,13 +51,14 @@ def test_a_cached_prefix_loads_to_its_last_full_block_and_the_rest_is_saved() ->
     publish(store, prompt[:8])  # kvstore holds 2 blocks
     side = SchedulerSide(store, ns, BS)
     req = request("r", prompt)
-    assert side.matched_tokens(req, 0) == 8
+    assert side.matched_tokens(req, 0) == (8, False)  # alone: loaded in its forward
     side.allocated(req, [10, 11, 12, 13], 8)
     plan = side.step_plan(step(new=[("r", [10, 11, 12, 13], 8)], scheduled={"r": 6}))
     [load] = plan.loads
     assert load.block_ids == [10, 11] and load.keys == [bytes(k) for k in
                                                         BlockHasher(ns("")).block_keys(prompt[:8])]
     assert load.tokens == [prompt[:4], prompt[4:8]]
+    assert load.holders == [["local"], ["local"]]  # the lookup's: the worker skips a query
     [save] = plan.saves  # the forward computes tokens 8..13: block 2 completes
     assert save.block_ids == [12] and save.tokens == [prompt[8:12]]
     assert save.parents == [load.keys[-1]]
@@ -70,7 +71,7 @@ def test_a_whole_block_prompt_keeps_one_token_to_compute() -> None:
     prompt = list(range(8))
     publish(store, prompt)
     side = SchedulerSide(store, ns, BS)
-    assert side.matched_tokens(request("r", prompt), 0) == 4  # not 8: vLLM samples from one
+    assert side.matched_tokens(request("r", prompt), 0) == (4, False)  # not 8: one to sample
 
 
 def test_vllms_own_hit_is_not_loaded_again_and_salts_do_not_share() -> None:
@@ -78,16 +79,16 @@ def test_vllms_own_hit_is_not_loaded_again_and_salts_do_not_share() -> None:
     prompt = list(range(50, 63))
     publish(store, prompt[:12], salt="a")
     side = SchedulerSide(store, ns, BS)
-    assert side.matched_tokens(request("x", prompt, "a"), 4) == 8
-    assert side.matched_tokens(request("y", prompt, "b"), 0) == 0
-    assert side.matched_tokens(request("z", prompt, "a"), 12) == 0
+    assert side.matched_tokens(request("x", prompt, "a"), 4) == (8, False)
+    assert side.matched_tokens(request("y", prompt, "b"), 0) == (0, False)
+    assert side.matched_tokens(request("z", prompt, "a"), 12) == (0, False)
 
 
 def test_blocks_vllm_had_but_kvstore_lacks_are_saved() -> None:
     side = SchedulerSide(LocalStore(), ns, BS)
     prompt = list(range(9))
     req = request("r", prompt)
-    assert side.matched_tokens(req, 8) == 0  # vLLM's own cache held 2 blocks
+    assert side.matched_tokens(req, 8) == (0, False)  # vLLM's own cache held 2 blocks
     side.allocated(req, [3, 4, 5], 0)
     plan = side.step_plan(step(new=[("r", [3, 4, 5], 8)], scheduled={"r": 1}))
     assert [s.block_ids for s in plan.saves] == [[3, 4]]
@@ -99,13 +100,67 @@ def test_a_failed_lookup_is_a_miss_and_roles_switch_sides_off() -> None:
             raise NodeUnavailable("the cluster went away")
 
     side = SchedulerSide(Down(), ns, BS)
-    assert side.matched_tokens(request("r", list(range(20))), 0) == 0
+    assert side.matched_tokens(request("r", list(range(20))), 0) == (0, False)
     store = LocalStore()
     publish(store, list(range(8)))
     producer = SchedulerSide(store, ns, BS, load=False)
-    assert producer.matched_tokens(request("p", list(range(9))), 0) == 0
+    assert producer.matched_tokens(request("p", list(range(9))), 0) == (0, False)
     consumer = SchedulerSide(store, ns, BS, save=False)
     req = request("c", list(range(13)))
-    consumer.allocated(req, [0, 1, 2, 3], consumer.matched_tokens(req, 0))
+    consumer.allocated(req, [0, 1, 2, 3], consumer.matched_tokens(req, 0)[0])
     plan = consumer.step_plan(step(new=[("c", [0, 1, 2, 3], 8)], scheduled={"c": 5}))
     assert len(plan.loads) == 1 and plan.saves == []
+
+
+def test_auto_loads_a_lone_request_in_its_forward_and_others_asynchronously() -> None:
+    store = LocalStore()
+    prompt = list(range(100, 114))
+    publish(store, prompt[:8])
+    side = SchedulerSide(store, ns, BS)
+    first, second = request("a", prompt), request("b", prompt)
+    assert side.matched_tokens(first, 0) == (8, False)
+    assert side.matched_tokens(second, 0) == (8, True)  # "a" is in flight: b must not stall it
+    side.allocated(second, [5, 6, 7, 8], 8)
+    [load] = side.step_plan(step()).loads
+    assert load.request_id == "b" and load.asynchronous and load.block_ids == [5, 6]
+    side.allocated(second, [5, 6, 7, 8], 0)  # vLLM's second call, once the load is over
+    assert side.step_plan(step()).loads == []
+    side.finished("a")
+    side.finished("b")
+    assert side.matched_tokens(request("c", prompt), 0) == (8, False)
+    forced = SchedulerSide(store, ns, BS, load_mode="async")
+    assert forced.matched_tokens(request("d", prompt), 0) == (8, True)
+    assert SchedulerSide(store, ns, BS, load_mode="sync").matched_tokens(
+        request("e", prompt), 0) == (8, False)
+
+
+def test_an_unknown_load_mode_is_refused() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="load_mode 'eager'"):
+        SchedulerSide(LocalStore(), ns, BS, load_mode="eager")
+
+
+def test_a_producer_saves_only_what_kvstore_lacks() -> None:
+    store = LocalStore()
+    prompt = list(range(12))  # 3 full blocks, the last one ending at the last token
+    publish(store, prompt[:8])
+    producer = SchedulerSide(store, ns, BS, load=False)
+    req = request("p", prompt)
+    assert producer.matched_tokens(req, 0) == (0, False)  # it never loads
+    producer.allocated(req, [7, 8, 9], 0)
+    plan = producer.step_plan(step(new=[("p", [7, 8, 9], 0)], scheduled={"p": 12}))
+    assert plan.loads == [] and [s.block_ids for s in plan.saves] == [[9]]
+
+
+def test_a_bypassing_request_neither_loads_nor_saves() -> None:
+    store = LocalStore()
+    prompt = list(range(13))
+    publish(store, prompt[:8])
+    side = SchedulerSide(store, ns, BS)
+    req = request("b", prompt)
+    req.kv_transfer_params = {"kvstore_bypass": True}
+    assert side.matched_tokens(req, 0) == (0, False)
+    side.allocated(req, [0, 1, 2, 3], 0)
+    plan = side.step_plan(step(new=[("b", [0, 1, 2, 3], 0)], scheduled={"b": 13}))
+    assert plan.loads == [] and plan.saves == []

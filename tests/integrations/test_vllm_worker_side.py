@@ -1,9 +1,12 @@
 """The connector's worker side over a real LocalStore: blocks saved out of one instance's paged
-caches load into another's bitwise, and a block that cannot be loaded is reported for vLLM to
-recompute, never written."""
+caches load into another's bitwise (in the forward, layer by layer, or asynchronously), and a
+block that cannot be loaded is reported for vLLM to recompute, never written."""
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 
 from kvstore.api import MISS_NOT_FOUND, Miss
@@ -23,10 +26,19 @@ def caches() -> dict[str, torch.Tensor]:  # the CPU backend's layout, one tensor
     return {f"model.layers.{i}.self_attn.attn": torch.randn(NB, H, BS, 2 * D) for i in range(L)}
 
 
-def transfer(tokens: list[int], block_ids: list[int]) -> BlockTransfer:
+def transfer(tokens: list[int], block_ids: list[int], rid: str = "r",
+             asynchronous: bool = False) -> BlockTransfer:
     keys = [bytes(k) for k in BlockHasher(ns("")).block_keys(tokens)]
-    return BlockTransfer("r", "", keys, [ns("").root, *keys[:-1]],
-                         [tokens[i * BS:(i + 1) * BS] for i in range(len(keys))], block_ids)
+    return BlockTransfer(rid, "", keys, [ns("").root, *keys[:-1]],
+                         [tokens[i * BS:(i + 1) * BS] for i in range(len(keys))], block_ids,
+                         asynchronous)
+
+
+def forward(worker: WorkerSide, layers: int = L) -> None:
+    """What vLLM does around a forward: each attention layer waits for its load, in order."""
+    for i in range(layers):
+        worker.wait_for_layer(f"model.layers.{i}.self_attn.attn")
+    worker.finish_loads()
 
 
 def test_layers_are_ordered_by_index_not_by_name() -> None:
@@ -34,17 +46,22 @@ def test_layers_are_ordered_by_index_not_by_name() -> None:
     assert sorted(names, key=layer_order) == [names[2], names[1], names[0]]
 
 
-def test_saved_blocks_load_bitwise_into_another_instance() -> None:
+@pytest.mark.parametrize("layerwise", [True, False, None])
+def test_saved_blocks_load_bitwise_into_another_instance(layerwise: bool | None) -> None:
     store = LocalStore()
     src, dst = caches(), caches()
-    writer, reader = WorkerSide(store, ns, H, D), WorkerSide(store, ns, H, D)
+    writer = WorkerSide(store, ns, H, D)
+    reader = WorkerSide(store, ns, H, D, layerwise=layerwise)
     writer.register(src)
     reader.register(dst)
+    # The default writes whole before the forward on a CPU (layer by layer only on a GPU).
+    assert reader.layerwise is (False if layerwise is None else layerwise)
     tokens = list(range(8))
     writer.save(StepPlan(saves=[transfer(tokens, [4, 1])]))
     writer.flush()
     assert writer.saved_blocks == 2
     reader.load(StepPlan(loads=[transfer(tokens, [0, 5])]))
+    forward(reader)
     assert reader.load_errors() == set()
     for name in src:
         assert torch.equal(dst[name][0], src[name][4]) and torch.equal(dst[name][5], src[name][1])
@@ -52,10 +69,13 @@ def test_saved_blocks_load_bitwise_into_another_instance() -> None:
     reader.close()
 
 
-def test_blocks_from_the_first_miss_on_are_load_errors_and_stay_untouched() -> None:
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_blocks_from_the_first_miss_on_are_load_errors_and_stay_untouched(
+        layerwise: bool) -> None:
     store = LocalStore()
     src, dst = caches(), caches()
-    writer, reader = WorkerSide(store, ns, H, D), WorkerSide(store, ns, H, D)
+    writer = WorkerSide(store, ns, H, D)
+    reader = WorkerSide(store, ns, H, D, layerwise=layerwise)
     writer.register(src)
     reader.register(dst)
     tokens = list(range(12))
@@ -71,9 +91,74 @@ def test_blocks_from_the_first_miss_on_are_load_errors_and_stay_untouched() -> N
 
     store.batch_get = second_block_lost  # type: ignore[method-assign]
     reader.load(StepPlan(loads=[transfer(tokens, [3, 4, 5])]))
+    forward(reader)
     assert reader.load_errors() == {4, 5}
     assert reader.load_errors() == set()  # reported once
     for name in dst:
         assert torch.equal(dst[name][3], src[name][0])
         assert torch.equal(dst[name][4], before[name][4])
         assert torch.equal(dst[name][5], before[name][5])
+
+
+def published(store: LocalStore, tokens: list[int]) -> dict[str, torch.Tensor]:
+    src = caches()
+    writer = WorkerSide(store, ns, H, D)
+    writer.register(src)
+    writer.save(StepPlan(saves=[transfer(tokens, list(range(len(tokens) // BS)))]))
+    writer.close()
+    return src
+
+
+def test_an_asynchronous_load_is_reported_once_it_is_in() -> None:
+    store = LocalStore()
+    tokens = list(range(8))
+    src, dst = published(store, tokens), caches()
+    reader = WorkerSide(store, ns, H, D)
+    reader.register(dst)
+    reader.load(StepPlan(loads=[transfer(tokens, [2, 3], rid="late", asynchronous=True)]))
+    done: set[str] = set()
+    for _ in range(1000):
+        done |= reader.finished_receiving()
+        if done:
+            break
+        threading.Event().wait(0.01)
+    assert done == {"late"} and reader.load_errors() == set()
+    for name in src:
+        assert torch.equal(dst[name][2], src[name][0]) and torch.equal(dst[name][3], src[name][1])
+    assert reader.finished_receiving() == set()  # reported once
+    reader.close()
+
+
+def test_a_forward_that_skips_a_layers_wait_turns_the_step_into_load_errors() -> None:
+    """If vLLM ever read a layer without waiting for it, that KV may be half written: its
+    blocks are reported for recompute and later loads are written before the forward."""
+    store = LocalStore()
+    tokens = list(range(8))
+    src, dst = published(store, tokens), caches()
+    reader = WorkerSide(store, ns, H, D, layerwise=True)
+    reader.register(dst)
+    reader.load(StepPlan(loads=[transfer(tokens, [0, 1])]))
+    forward(reader, layers=L - 1)
+    assert reader.load_errors() == {0, 1} and not reader.layerwise
+    reader.load(StepPlan(loads=[transfer(tokens, [4, 5])]))  # written whole, now
+    for name in src:
+        assert torch.equal(dst[name][4], src[name][0]) and torch.equal(dst[name][5], src[name][1])
+    forward(reader)
+    assert reader.load_errors() == set()
+    reader.close()
+
+
+def test_vllm_is_told_to_recompute_what_kvstore_cannot_load() -> None:
+    import pytest
+
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from kvstore.integrations.vllm.connector import recompute_load_failures
+
+    default = SimpleNamespace(kv_load_failure_policy="fail")  # vLLM's default: fail the request
+    recompute_load_failures(default, {})
+    assert default.kv_load_failure_policy == "recompute"
+    kept = SimpleNamespace(kv_load_failure_policy="fail")
+    recompute_load_failures(kept, {"fail_on_load_error": True})
+    assert kept.kv_load_failure_policy == "fail"

@@ -142,8 +142,6 @@ def test_load_errors_on_cuda_name_the_argument(where, over, names):
 @pytest.mark.parametrize(
     ("over", "names"),
     [
-        ({"seq_len": torch.tensor([3, 0], dtype=torch.int32),
-          "new_kv": torch.ones(3, 4)}, "seq_len[1]"),
         ({"new_kv": torch.ones(6, 4)}, "sum(seq_len)"),
         ({"token_offset": torch.tensor([2, 8], dtype=torch.int32)}, "token_offset[0]"),
         ({"token_offset": torch.tensor([3, 9], dtype=torch.int32)}, "token_offset[1]"),

@@ -5,14 +5,20 @@ vLLM builds one connector in its scheduler process and one in each worker; both 
 kvstore cluster every kvstore command uses (``kv_connector_extra_config.address``, else
 ``RAY_ADDRESS``, else the cluster ``kvstore start`` recorded) and fail at start, in one line
 naming ``kvstore start``, when there is none. ``kv_role``: ``kv_producer`` saves only,
-``kv_consumer`` loads only, ``kv_both`` does both. The scheduler side is
-``scheduler_side.SchedulerSide``, the worker side ``worker_side.WorkerSide``; this class only
-maps vLLM's calls onto them.
+``kv_consumer`` loads only, ``kv_both`` does both. ``kv_connector_extra_config`` may also set
+``load_mode`` (``auto``, ``sync``, ``async``: ``scheduler_side``) and ``layerwise`` (true:
+synchronous loads are written layer by layer under the forward; false: whole before it;
+default: layer by layer on a GPU only, ``worker_side.WorkerSide``), and, for an
+instance run by one tenant, ``credential`` and ``tenant_key`` (``tenancy``). A block kvstore
+cannot load is recomputed (``recompute_load_failures``), never a failed request. The scheduler
+side is ``scheduler_side.SchedulerSide``, the worker side ``worker_side.WorkerSide``; this class
+only maps vLLM's calls onto them.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,10 +38,13 @@ from kvstore.integrations.vllm.namespace import (
 )
 from kvstore.integrations.vllm.plans import StepPlan
 from kvstore.integrations.vllm.scheduler_side import SchedulerSide
+from kvstore.integrations.vllm.tenancy import tenancy
 from kvstore.integrations.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+log = logging.getLogger(__name__)
 
 
 class KVStoreMetadata(KVConnectorMetadata):
@@ -71,6 +80,22 @@ def device_label(config: VllmConfig) -> str:
             f"{torch.__version__}|vllm {vllm.__version__} {backend}")
 
 
+def recompute_load_failures(transfer: Any, extra: dict[str, Any]) -> None:
+    """Make vLLM recompute what kvstore could not load, as a cache miss is.
+
+    vLLM's ``kv_load_failure_policy`` defaults to ``fail``, which ends a request whose blocks
+    failed to load (a corrupted block, a dead holder, a cluster gone) with an error; for a cache
+    that is a miss, never a failed request. vLLM reads the policy right after it builds the
+    scheduler's connector, so it is set here; ``fail_on_load_error: true`` in
+    ``kv_connector_extra_config`` keeps vLLM's ``fail``.
+    """
+    if extra.get("fail_on_load_error") or transfer.kv_load_failure_policy == "recompute":
+        return
+    log.info("kvstore: kv_load_failure_policy 'recompute': blocks kvstore cannot load are "
+             "recomputed (set kv_connector_extra_config.fail_on_load_error to fail instead)")
+    transfer.kv_load_failure_policy = "recompute"
+
+
 class KVStoreConnector(KVConnectorBase_V1):
     """vLLM's KV connector over a kvstore cluster."""
 
@@ -78,7 +103,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         from kvstore.cluster.lifecycle import cluster_config, connect
-        from kvstore.config import KVStoreConfig
+        from kvstore.config_loader import load_config
         from kvstore.security.data_keys import parse_data_key
 
         transfer = self._kv_transfer_config
@@ -86,20 +111,30 @@ class KVStoreConnector(KVConnectorBase_V1):
         geometry = geometry_of(vllm_config)
         fingerprint = checkpoint_fingerprint(geometry.checkpoint)
         tag = device_label(vllm_config)
-        config = cluster_config(KVStoreConfig(), address=extra.get("address"))
-        data_key = parse_data_key(config.security.data_key)
+        # KVSTORE_* settings apply as to every kvstore client; a credential given here wins.
+        config = cluster_config(
+            load_config(overrides={"client": {"auth_token": extra.get("credential")}}),
+            address=extra.get("address"))
+        tenants = tenancy(extra, config.client.auth_token,
+                          parse_data_key(config.security.data_key))
         self.namespace_of = functools.lru_cache(maxsize=1024)(
-            lambda salt: namespace(geometry, fingerprint, tag, salt, data_key))
+            lambda salt: namespace(geometry, fingerprint, tag, salt, **tenants.keys()))
         self.store = connect(config)
         save, load = transfer.is_kv_producer, transfer.is_kv_consumer
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler_side = SchedulerSide(self.store, self.namespace_of,
-                                                geometry.block_size, save=save, load=load)
+            recompute_load_failures(transfer, extra)
+            self.scheduler_side = SchedulerSide(
+                self.store, self.namespace_of, geometry.block_size,
+                save=save and tenants.may_write, load=load,
+                load_mode=str(extra.get("load_mode", "auto")), salt_for=tenants.salt_for)
+            self.scheduler_side.warm_up()
         else:
             self.worker_side = WorkerSide(self.store, self.namespace_of, geometry.num_kv_heads,
-                                          geometry.head_dim)
+                                          geometry.head_dim,
+                                          layerwise=None if extra.get("layerwise") is None
+                                          else bool(extra["layerwise"]))
 
     # -- worker side ---------------------------------------------------------------------
     def _worker(self) -> WorkerSide:
@@ -118,14 +153,18 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._worker().load(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads finish in start_load_kv
+        self._worker().wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         return  # saved whole blocks, all layers at once, in wait_for_save
 
     def wait_for_save(self) -> None:
+        self._worker().finish_loads()
         self._worker().save(self._plan())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self._worker().finished_receiving() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().load_errors() if self.worker_side is not None else set()
@@ -142,7 +181,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
-        return self._scheduler().matched_tokens(request, num_computed_tokens), False
+        return self._scheduler().matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:

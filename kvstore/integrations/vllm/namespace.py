@@ -10,6 +10,7 @@ request's ``cache_salt`` is its tenant: two salts never share a block.
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,13 +34,15 @@ class ModelGeometry:
     head_dim: int
 
 
-def checkpoint_fingerprint(checkpoint: str | Path) -> str:
+def checkpoint_fingerprint(checkpoint: str | Path, cache_dir: Path | None = None) -> str:
     """Config and weights of a checkpoint directory: sha256 over the config's digest and, for
     every tensor of every ``*.safetensors`` file in name order, its name, dtype, shape and
-    device checksum (``kvstore.workers.model.fingerprint``)."""
-    from safetensors import safe_open
-    from transformers import AutoConfig
+    device checksum (``kvstore.workers.model.fingerprint``).
 
+    Reading every weight takes seconds on a large checkpoint, and vLLM builds a connector in
+    its scheduler process and in each worker, so the result is remembered under ``cache_dir``
+    (the state directory's ``fingerprints/``), keyed by each file's path, size, inode, mtime and
+    ctime (the last cannot be set back by a user): files changed in any way are read again."""
     path = Path(checkpoint)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files:
@@ -47,6 +50,35 @@ def checkpoint_fingerprint(checkpoint: str | Path) -> str:
             f"the vLLM model {str(checkpoint)!r} is not a local checkpoint directory with "
             "safetensors weights: kvstore fingerprints the weights it shares KV for, so give "
             "vLLM the directory (e.g. the Hugging Face snapshot path)")
+    if cache_dir is None:
+        from kvstore.cluster.address import state_dir
+
+        cache_dir = state_dir() / "fingerprints"
+    stamp = hashlib.sha256()
+    for file in [path / "config.json", *files]:
+        st = file.stat()
+        stamp.update(f"{file.resolve()}|{st.st_size}|{st.st_ino}|{st.st_mtime_ns}|"
+                     f"{st.st_ctime_ns}\n".encode())
+    remembered = cache_dir / stamp.hexdigest()
+    try:
+        return remembered.read_text().strip()
+    except OSError:
+        pass
+    fingerprint = _read_fingerprint(path, files)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        partial = remembered.with_suffix(f".{os.getpid()}")
+        partial.write_text(fingerprint)
+        partial.replace(remembered)  # whole or absent, whoever writes it first
+    except OSError:
+        pass  # an unwritable state directory: computed again next time
+    return fingerprint
+
+
+def _read_fingerprint(path: Path, files: list[Path]) -> str:
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
     h = hashlib.sha256(config_digest(AutoConfig.from_pretrained(path)).encode())
     entries: dict[str, bytes] = {}
     for file in files:
@@ -68,9 +100,10 @@ def numerics(device: torch.device, vllm_version: str, attention_backend: str) ->
 
 
 def namespace(geometry: ModelGeometry, fingerprint: str, tag: str, cache_salt: str | None,
-              data_key: bytes | None = None) -> Namespace:
-    """The namespace of one request of an instance (``cache_salt``: its tenant), keyed with
-    the cluster's data key on a secure cluster, as the store nodes rebuild it."""
+              data_key: bytes | None = None, tenant_key: bytes | None = None) -> Namespace:
+    """The namespace of one request of an instance (``cache_salt``: its tenant), keyed on a
+    secure cluster with the cluster's data key or that tenant's own key (``tenancy``), as the
+    store nodes rebuild it."""
     return Namespace(fingerprint, geometry.dtype, geometry.block_size, geometry.num_layers,
                      geometry.num_kv_heads, geometry.head_dim, cache_salt or "", numerics=tag,
-                     data_key=data_key)
+                     data_key=data_key, tenant_key=tenant_key)

@@ -2,16 +2,19 @@
 
 A kvstore block's payload is ``[L, 2, block_size, H, D]`` (``kvstore.api.BlockPut``): every
 layer's K and V rows of one block of tokens. vLLM keeps one cache tensor per attention layer,
-shaped by its attention backend; ``LayerCache`` is one layer's K and V as
+shaped by its attention backend; ``LayerCache`` holds one layer's K and V as
 ``[num_blocks, block_size, H, D]`` views into that tensor (strided, never copies), which is the
-ND layout of ``paged_cache_load``. So:
+ND layout of ``paged_cache_load``, and the same tensor as ``kv_cache_scatter``'s
+``[layers, batch, max_seq_len, hidden]`` ``past``. So:
 
 - saving gathers whole blocks with ``paged_cache_load`` (one sequence whose block table is the
   blocks to save), layer by layer, into block payloads;
-- loading writes fetched payloads back with ``kv_cache_scatter``, reading the cache as a batch
-  whose layer axis walks the blocks: each block is one call filling its sequences whole (one
-  of ``[block_size, H*D]`` rows, or one per head where the backend keeps a head's rows
-  together).
+- loading writes fetched payloads back with ``kv_cache_scatter``, one call per layer (and side,
+  where K and V are apart): the batch axis walks every run of rows the cache keeps together
+  (a block's ``block_size`` rows; on the CPU backend a (block, head)'s K rows and then its V
+  rows) over the span of blocks the load touches, the blocks being loaded get their whole run
+  (``seq_len`` = the run) and the others in the span nothing (``seq_len`` 0), so a load costs
+  one operator call per layer whatever its size, and never a pass over the whole cache.
 
 Backends whose cache is in neither known layout are refused when the caches are registered,
 naming the shape seen, rather than read wrongly.
@@ -30,10 +33,19 @@ from kvstore.ops.operators import kv_cache_scatter, paged_cache_load
 
 @dataclass(frozen=True)
 class LayerCache:
-    """One attention layer's K and V, each ``[num_blocks, block_size, H, D]`` (views)."""
+    """One attention layer's K and V, each ``[num_blocks, block_size, H, D]`` (views), and the
+    layer as ``kv_cache_scatter`` writes it (``rows``, ``None`` where the tensor's strides do
+    not allow that view: loads then take one call per block)."""
 
     key: torch.Tensor
     value: torch.Tensor
+    rows: torch.Tensor | None = None
+    sides_together: bool = False  # rows' runs hold a head's K rows, then its V rows (CPU)
+
+    @property
+    def runs_per_block(self) -> int:
+        """Runs of ``rows`` (sequences of ``past``) one vLLM block spans."""
+        return self.key.shape[2] if self.sides_together else 1
 
 
 def layer_cache(cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> LayerCache:
@@ -47,13 +59,23 @@ def layer_cache(cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> LayerC
     if cache.dim() == 4 and shape[1] == num_kv_heads and shape[3] == 2 * head_dim:
         nb, heads, bs, _ = shape
         kv = cache.view(nb, heads, 2, bs, head_dim)
-        return LayerCache(kv[:, :, 0].permute(0, 2, 1, 3), kv[:, :, 1].permute(0, 2, 1, 3))
+        rows = _view_or_none(cache, (1, nb * heads, 2 * bs, head_dim))
+        return LayerCache(kv[:, :, 0].permute(0, 2, 1, 3), kv[:, :, 1].permute(0, 2, 1, 3),
+                          rows, sides_together=True)
     if cache.dim() == 5 and shape[0] == 2 and shape[3:] == (num_kv_heads, head_dim):
-        return LayerCache(cache[0], cache[1])
+        rows = _view_or_none(cache, (2, shape[1], shape[2], num_kv_heads * head_dim))
+        return LayerCache(cache[0], cache[1], rows)
     raise ConfigError(
         f"unsupported vLLM KV cache layout {shape} for {num_kv_heads} KV heads of size "
         f"{head_dim}: expected [blocks, heads, block_size, 2*head_dim] (CPU) or "
         "[2, blocks, block_size, heads, head_dim]")
+
+
+def _view_or_none(cache: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+    try:
+        return cache.view(shape)
+    except RuntimeError:  # a permuted allocation (a backend's stride order): no such view
+        return None
 
 
 def gather_blocks(layers: Sequence[LayerCache], block_ids: Sequence[int]) -> torch.Tensor:
@@ -73,30 +95,92 @@ def gather_blocks(layers: Sequence[LayerCache], block_ids: Sequence[int]) -> tor
     return out
 
 
+@dataclass(frozen=True)
+class ScatterPlan:
+    """Where one load's payloads go, the same for every layer: the payloads in block order
+    (``order``) and ``kv_cache_scatter``'s ``token_offset``/``seq_len`` over the runs of the
+    span of blocks ``[first_block, first_block + num_blocks)`` the load touches (not the whole
+    cache: vLLM's holds thousands of blocks, and the operator reads every run it is given)."""
+
+    block_ids: tuple[int, ...]
+    order: torch.Tensor
+    token_offset: torch.Tensor
+    seq_len: torch.Tensor
+    first_block: int = 0
+    num_blocks: int = 0
+
+
+def plan_scatter(layer: LayerCache, block_ids: Sequence[int]) -> ScatterPlan:
+    """Check ``block_ids`` against the cache and lay them out as the operator's arguments."""
+    if len(set(block_ids)) != len(block_ids):
+        raise ValueError("a vLLM block can be loaded once per step: duplicate block ids")
+    num_blocks = layer.key.shape[0]
+    bad = [b for b in block_ids if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"block ids {bad[:4]} are outside vLLM's cache of {num_blocks} blocks")
+    ids = torch.tensor(list(block_ids), dtype=torch.int64)
+    order = torch.argsort(ids)
+    first = min(block_ids, default=0)
+    span = max(block_ids, default=-1) + 1 - first
+    runs = layer.runs_per_block
+    run_len = 2 * layer.key.shape[1] if layer.sides_together else layer.key.shape[1]
+    lens = torch.zeros((span, runs), dtype=torch.int64)
+    lens[ids - first] = run_len  # the loaded blocks' runs whole, the others untouched
+    lens = lens.view(-1)
+    return ScatterPlan(tuple(block_ids), order, lens.clone(), lens, first, span)
+
+
+def scatter_layer(layer: LayerCache, index: int, plan: ScatterPlan,
+                  payloads: torch.Tensor) -> None:
+    """Write layer ``index`` of payloads ``[n, L, 2, block_size, H, D]`` into ``layer``."""
+    if not plan.block_ids:
+        return
+    if layer.rows is None:
+        for side, cache in ((0, layer.key), (1, layer.value)):
+            _scatter_side(cache, plan.block_ids, payloads[:, index, side])
+        return
+    order = plan.order.to(payloads.device)
+    dtype, width, device = layer.rows.dtype, layer.rows.shape[-1], layer.rows.device
+    runs = layer.runs_per_block  # the span's runs: a view, as the whole layer's rows are
+    past = layer.rows.narrow(1, plan.first_block * runs, plan.num_blocks * runs)
+    if layer.sides_together:  # per (block, head): its K rows, then its V rows
+        new_kv = _in_block_order(payloads[:, index].permute(0, 3, 1, 2, 4), order)
+        kv_cache_scatter(past, new_kv.reshape(-1, width).to(device, dtype), 0,
+                         plan.token_offset, plan.seq_len)
+        return
+    for side in (0, 1):  # K is the operator's layer 0, V its layer 1
+        new_kv = _in_block_order(payloads[:, index, side], order)
+        kv_cache_scatter(past, new_kv.reshape(-1, width).to(device, dtype), side,
+                         plan.token_offset, plan.seq_len)
+
+
+def _in_block_order(view: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``view``'s rows in block order, contiguous, in one copy (``index_select`` into a fresh
+    tensor), so the operator's ``[tokens, width]`` view of it is free; indexing a permuted view
+    and then reshaping the result copies twice."""
+    out = torch.empty(view.shape, dtype=view.dtype, device=view.device)
+    return torch.index_select(view, 0, order, out=out)
+
+
 def scatter_blocks(layers: Sequence[LayerCache], block_ids: Sequence[int],
                    payloads: torch.Tensor) -> None:
     """Write payloads ``[n, L, 2, block_size, H, D]`` into vLLM blocks ``block_ids``."""
     if len(block_ids) != payloads.shape[0]:
         raise ValueError(f"{len(block_ids)} block ids for {payloads.shape[0]} payloads")
-    if len(set(block_ids)) != len(block_ids):
-        raise ValueError("a vLLM block can be loaded once per step: duplicate block ids")
     if not block_ids:
         return
-    num_blocks = layers[0].key.shape[0]
-    bad = [b for b in block_ids if not 0 <= b < num_blocks]
-    if bad:
-        raise ValueError(f"block ids {bad[:4]} are outside vLLM's cache of {num_blocks} blocks")
+    plan = plan_scatter(layers[0], block_ids)
     for i, layer in enumerate(layers):
-        for side, cache in ((0, layer.key), (1, layer.value)):
-            _scatter_side(cache, block_ids, payloads[:, i, side])
+        scatter_layer(layer, i, plan, payloads)
 
 
 def _scatter_side(cache: torch.Tensor, targets: Sequence[int], rows: torch.Tensor) -> None:
-    """``rows`` ``[n, block_size, H, D]`` into blocks ``targets`` of ``cache``.
+    """``rows`` ``[n, block_size, H, D]`` into blocks ``targets`` of ``cache``, one operator
+    call per block (for caches whose strides allow no whole-layer view).
 
-    The operator's layer axis walks the cache's blocks, so each block is one call that fills
-    its sequences whole: one sequence of ``[block_size, H*D]`` rows, or one per head where the
-    backend keeps each head's rows together.
+    The operator's layer axis walks the cache's blocks, so each call fills its sequences whole:
+    one sequence of ``[block_size, H*D]`` rows, or one per head where the backend keeps each
+    head's rows together.
     """
     nb, bs, heads, dim = cache.shape
     try:
@@ -108,4 +192,4 @@ def _scatter_side(cache: torch.Tensor, targets: Sequence[int], rows: torch.Tenso
         block_rows = rows[n]  # [block_size, H, D]
         new_kv = (block_rows.permute(1, 0, 2).reshape(-1, dim) if per_head
                   else block_rows.reshape(bs, heads * dim))
-        kv_cache_scatter(past, new_kv.to(past.dtype), block, full, full)
+        kv_cache_scatter(past, new_kv.to(past.device, past.dtype), block, full, full)

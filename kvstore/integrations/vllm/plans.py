@@ -22,6 +22,8 @@ class BlockTransfer:
     parents: list[bytes]
     tokens: list[list[int]]
     block_ids: list[int]
+    asynchronous: bool = False  # a load the request waits for outside the forward (get_finished)
+    holders: list[list[str]] | None = None  # a load's holders, as the scheduler's lookup said
 
 
 @dataclass

@@ -7,15 +7,27 @@ from), as its own prefix cache reuses. Once vLLM has allocated blocks, those tok
 for the worker side; every full prompt block computed from then on (and any that vLLM had in
 its own cache but kvstore lacks) becomes a save, planned in the step whose forward completes it.
 A lookup that fails (a cluster gone) counts as no hit: the request computes its prompt.
+
+A load is synchronous (fetched and written during the forward that needs it, layer by layer) or
+asynchronous (the request waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` while others go on; the
+worker reports it through ``get_finished``). ``load_mode`` ``auto`` picks per request: a request
+alone gets the synchronous path, which adds no scheduler step to its time to first token; one
+that arrives while others are in flight gets the asynchronous one, so its fetch never stalls
+their decoding.
+
+A save-only instance (``kv_producer``) still looks the prompt up, so it never gathers and puts
+again the blocks kvstore already holds (a shared system prompt, every request). A request whose
+``kv_transfer_params`` carry ``{"kvstore_bypass": true}`` neither loads nor saves: the
+reference run of ``kvstore serve``'s ``bypass_cache`` through the same engine.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.errors import KVStoreError
 from kvstore.integrations.vllm.plans import BlockTransfer, StepPlan
 from kvstore.keys import BlockHasher, Namespace
 
@@ -35,46 +47,89 @@ class _Tracked:
     # first, so blocks vLLM had in its own cache but kvstore lacks are saved too (resident)
     local_blocks: int = 0  # vLLM's own prefix-cache hit, in blocks
     load_blocks: int = 0  # blocks to load from kvstore past the local hit
+    load_async: bool = False
     block_ids: list[int] | None = None
+    holders: list[list[str]] | None = None  # per hit block, from the lookup
+
+
+LOAD_MODES = ("auto", "sync", "async")
 
 
 class SchedulerSide:
     """Lookups and step plans; ``namespace_of(salt)`` makes a request's namespace."""
 
     def __init__(self, store: Any, namespace_of: Any, block_size: int, save: bool = True,
-                 load: bool = True) -> None:
+                 load: bool = True, load_mode: str = "auto",
+                 salt_for: Callable[[str | None], str | None] | None = None) -> None:
+        """``salt_for``: a request's namespace salt from its ``cache_salt``, None where the
+        instance may not cache it (``tenancy.Tenancy.salt_for``; default: the salt itself)."""
+        if load_mode not in LOAD_MODES:
+            raise ValueError(f"load_mode {load_mode!r}: expected one of {', '.join(LOAD_MODES)}")
         self.store = store
         self.namespace_of = namespace_of
         self.block_size = block_size
         self.save, self.load = save, load
+        self.load_mode = load_mode
+        self.salt_for = salt_for or (lambda salt: salt or "")
+        self._uncached_salts: set[str] = set()
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: list[str] = []
 
+    def warm_up(self) -> None:
+        """One lookup now, so the first request does not pay for the index's connection."""
+        try:
+            self.store.lookup_prefix(self.namespace_of(""), [bytes(32)])
+        except Exception as exc:  # the store's, Ray's or gRPC's: a miss, never a failure
+            log.warning("kvstore lookup failed at start (requests compute their prompts until "
+                        "it answers): %s", exc)
+
     # -- lookups -------------------------------------------------------------------------
-    def matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
-        """Tokens kvstore can supply beyond vLLM's own ``num_computed_tokens``."""
+    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens kvstore can supply beyond vLLM's own ``num_computed_tokens``, and whether
+        they load asynchronously."""
+        others = len(self._requests) - (request.request_id in self._requests)
         tracked = self._track(request)
         tracked.local_blocks = num_computed_tokens // self.block_size
-        extra = tracked.hit_blocks * self.block_size - num_computed_tokens
-        return max(0, extra) if self.load else 0
+        extra = max(0, tracked.hit_blocks * self.block_size - num_computed_tokens)
+        if not self.load or not extra:
+            return 0, False
+        tracked.load_async = self.load_mode == "async" or (self.load_mode == "auto"
+                                                           and others > 0)
+        return extra, tracked.load_async
 
     def _track(self, request: Any) -> _Tracked:
         known = self._requests.get(request.request_id)
         if known is not None:
             return known
-        salt = request.cache_salt or ""
-        namespace: Namespace = self.namespace_of(salt)
         tokens = [int(t) for t in (request.prompt_token_ids or [])]
+        salt = self.salt_for(request.cache_salt)
+        params = getattr(request, "kv_transfer_params", None)
+        bypass = isinstance(params, dict) and bool(params.get("kvstore_bypass"))
+        if bypass or salt is None:  # bypassed or another tenant's: never looked up or saved
+            if not bypass and request.cache_salt not in self._uncached_salts:
+                self._uncached_salts.add(request.cache_salt)
+                log.warning("cache_salt %r is not this instance's tenant: its requests are "
+                            "served without kvstore", request.cache_salt)
+            tracked = _Tracked("", tokens, [], [], hit_blocks=0, saved_blocks=0)
+            self._requests[request.request_id] = tracked
+            return tracked
+        namespace: Namespace = self.namespace_of(salt)
         keys = [bytes(k) for k in BlockHasher(namespace).block_keys(tokens)]
         parents = [namespace.root, *keys[:-1]] if keys else []
         usable = (len(tokens) - 1) // self.block_size  # one token is always computed
-        hit = 0
-        if self.load and usable > 0:
+        # A loader needs the prefix up to its last usable block; a saver the whole prompt.
+        wanted = keys if self.save else keys[:usable]
+        held, hit, holders = 0, 0, None
+        if (self.load and usable > 0) or (self.save and wanted):
             try:
-                hit = self.store.lookup_prefix(namespace, keys[:usable]).num_blocks
-            except KVStoreError as exc:
+                found = self.store.lookup_prefix(namespace, wanted)
+                held = found.num_blocks
+                hit = min(held, usable) if self.load else 0
+                holders = found.holders[:hit]
+            except Exception as exc:  # the store's, Ray's or gRPC's: a miss, never a failure
                 log.warning("kvstore lookup failed, computing the prompt: %s", exc)
-        tracked = _Tracked(salt, tokens, keys, parents, hit_blocks=hit, saved_blocks=hit)
+        tracked = _Tracked(salt, tokens, keys, parents, hit_blocks=hit,
+                           saved_blocks=max(held, hit), holders=holders)
         self._requests[request.request_id] = tracked
         return tracked
 
@@ -94,8 +149,7 @@ class SchedulerSide:
             t = self._requests.get(rid)
             if t is None or t.block_ids is None:
                 continue
-            start, end = t.local_blocks, t.local_blocks + t.load_blocks
-            plan.loads.append(self._transfer(rid, t, start, end))
+            plan.loads.append(self._load(rid, t))
         self._pending_loads.clear()
         if not self.save:
             return plan
@@ -134,6 +188,14 @@ class SchedulerSide:
         return BlockTransfer(
             rid, t.salt, t.keys[start:end], t.parents[start:end],
             [t.tokens[i * bs:(i + 1) * bs] for i in range(start, end)], t.block_ids[start:end])
+
+    def _load(self, rid: str, t: _Tracked) -> BlockTransfer:
+        start, end = t.local_blocks, t.local_blocks + t.load_blocks
+        transfer = self._transfer(rid, t, start, end)
+        transfer.asynchronous = t.load_async
+        if t.holders is not None and len(t.holders) >= end:
+            transfer.holders = t.holders[start:end]
+        return transfer
 
     def finished(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

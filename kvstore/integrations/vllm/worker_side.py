@@ -1,13 +1,23 @@
 """The connector's worker side: fetched blocks into vLLM's paged KV, computed blocks out of it.
 
-Loads run before the forward that needs them (``start_load_kv``): the blocks are fetched and
-verified by the store (``batch_get``), then written with ``kv_cache_scatter``. Only a leading
-run of verified blocks is written; every vLLM block of the plan from the first miss on (a
-corrupted block, a dead holder, a cluster that went away) is reported as a load error, so vLLM
-recomputes those tokens and the request never sees wrong KV. Saves gather the plan's blocks with
-``paged_cache_load`` after the forward that completed them (``wait_for_save``, before vLLM can
-reuse the memory) and put them from a background thread, off the forward path; ``close`` waits
-for the puts still queued.
+Loads come in two kinds, chosen per request by the scheduler side (``BlockTransfer.asynchronous``):
+
+- **synchronous** (the forward of this step needs them): ``start_load_kv`` fetches and verifies
+  the blocks (``batch_get``), then writes them with ``kv_cache_scatter``: on a GPU a loader
+  thread writes them layer by layer while the forward runs, the attention of layer ``i``
+  waiting only for layer ``i`` (``wait_for_layer_load``), so the writes of later layers overlap
+  the forward of earlier ones; on a CPU whole, before the forward (a writer thread there takes
+  the forward's cores instead of hiding under it: ``WorkerSide``);
+- **asynchronous** (the request waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` while other requests
+  go on decoding): fetch and write run on a thread of their own, and ``get_finished`` reports
+  the request once its blocks are in.
+
+Only a leading run of verified blocks is written; every vLLM block of a transfer from its first
+miss on (a corrupted block, a dead holder, a cluster that went away) is reported as a load
+error, so vLLM recomputes those tokens and the request never sees wrong KV. Saves gather the
+plan's blocks with ``paged_cache_load`` after the forward that completed them (``wait_for_save``,
+before vLLM can reuse the memory) and put them from a background thread, off the forward path;
+``close`` waits for the puts still queued.
 """
 
 from __future__ import annotations
@@ -15,19 +25,23 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvstore.api import BlockPut, FetchedBlock
-from kvstore.errors import KVStoreError
+from kvstore.block import block_nbytes, payload_offset
 from kvstore.integrations.vllm.paged_layout import (
     LayerCache,
     gather_blocks,
     layer_cache,
+    plan_scatter,
     scatter_blocks,
+    scatter_layer,
 )
 from kvstore.integrations.vllm.plans import BlockTransfer, StepPlan
 from kvstore.keys import Namespace
@@ -42,57 +56,273 @@ def layer_order(name: str) -> tuple[int, str]:
     return (int(match.group(1)) if match else -1, name)
 
 
+@dataclass
+class _Fetched:
+    """A transfer's verified leading blocks: ``payloads`` ``[good, L, 2, block_size, H, D]``."""
+
+    transfer: BlockTransfer
+    payloads: torch.Tensor | None
+
+    @property
+    def block_ids(self) -> list[int]:
+        n = 0 if self.payloads is None else self.payloads.shape[0]
+        return self.transfer.block_ids[:n]
+
+
+def new_rows(rows: int, nbytes: int) -> torch.Tensor:
+    """A ``[rows, nbytes]`` uint8 fetch buffer, allocated by numpy: it asks the kernel for
+    transparent huge pages on large arrays, so a fresh buffer's first fill faults 2 MiB at a
+    time rather than 4 KiB (``cluster_store.new_block_buffer`` does the same for its callers)."""
+    return torch.from_numpy(np.empty((rows, nbytes), dtype=np.uint8))
+
+
+def _on_cuda(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+#: The longest a put waits for the step that completed its blocks to hand its output back
+#: (it waits for the next step's start; this is for an engine left idle).
+SAVE_DEFER_S = 0.005
+
+
+class _LayerLoads:
+    """One step's synchronous loads, written layer by layer on the loader thread.
+
+    On a GPU the writes are kernels on the loader thread's stream: each layer records a CUDA
+    event that the forward's stream waits for (``wait``), so the attention of layer ``i`` reads
+    it only once it is written, whichever stream vLLM computes on."""
+
+    def __init__(self, layers: Sequence[LayerCache], fetched: list[_Fetched]) -> None:
+        self.device = layers[0].key.device
+        self.written: list[Any] = [None] * len(layers)  # CUDA events, on a GPU
+        self.done = [threading.Event() for _ in layers]
+        self.waited: set[int] = set()
+        self.block_ids = [b for f in fetched for b in f.transfer.block_ids]
+        self.error: BaseException | None = None
+        self._work = [(f, plan_scatter(layers[0], f.block_ids)) for f in fetched
+                      if f.payloads is not None]
+        self._layers = layers
+
+    def wait(self, index: int) -> None:
+        """Until layer ``index`` is written (on a GPU: the current stream waits for it)."""
+        self.done[index].wait()
+        event = self.written[index]
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def run(self) -> None:
+        try:
+            if _on_cuda(self.device):
+                torch.cuda.set_device(self.device)  # this thread's kernels on the caches' GPU
+            for i, layer in enumerate(self._layers):
+                for fetched, plan in self._work:
+                    assert fetched.payloads is not None
+                    scatter_layer(layer, i, plan, fetched.payloads)
+                if _on_cuda(self.device):
+                    self.written[i] = torch.cuda.Event()
+                    self.written[i].record()
+                self.done[i].set()
+        except Exception as exc:  # every block of the step becomes a load error (finish_loads)
+            log.exception("kvstore: writing loaded blocks failed; vLLM recomputes them")
+            self.error = exc
+            for event in self.done:
+                event.set()
+
+
 class WorkerSide:
     """Executes step plans against one instance's caches and a kvstore store."""
 
     def __init__(self, store: Any, namespace_of: Callable[[str], Namespace],
-                 num_kv_heads: int, head_dim: int) -> None:
+                 num_kv_heads: int, head_dim: int, *, layerwise: bool | None = None) -> None:
+        """``layerwise``: write synchronous loads layer by layer under the forward (True) or
+        whole before it (False); None: by the caches' device (``register``): layer by layer
+        on a GPU, where the writes are copies on a stream of their own; whole on a CPU, where
+        a writer thread takes the cores and memory bandwidth of the forward it should hide
+        under (README, "With vLLM")."""
         self.store = store
         self.namespace_of = namespace_of
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.layerwise = layerwise
         self.layers: list[LayerCache] = []
+        self._layer_index: dict[str, int] = {}
         self._load_errors: set[int] = set()
+        self._errors_lock = threading.Lock()
+        self._step: _LayerLoads | None = None
+        self._scatters = ThreadPoolExecutor(max_workers=1,
+                                            thread_name_prefix="kvstore-vllm-scatter")
+        self._async_loads = ThreadPoolExecutor(max_workers=1,
+                                               thread_name_prefix="kvstore-vllm-load")
+        self._receiving: dict[str, Future[None]] = {}
         self._puts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-vllm-save")
         self._pending: list[Future[None]] = []
+        self._step_began = threading.Event()  # set: queued puts may run (``save``)
+        self._step_began.set()
         self._lock = threading.Lock()
+        self._buffer: torch.Tensor | None = None
         self.loaded_blocks = 0
         self.saved_blocks = 0
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """vLLM's per-layer caches, in layer order."""
+        """vLLM's per-layer caches, in layer order; connects to the store node now, so the
+        first request does not pay for it."""
+        names = sorted(kv_caches, key=layer_order)
         self.layers = [layer_cache(kv_caches[name], self.num_kv_heads, self.head_dim)
-                       for name in sorted(kv_caches, key=layer_order)]
+                       for name in names]
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        if self.layerwise is None and self.layers:
+            self.layerwise = _on_cuda(self.layers[0].key.device)
+        warm_up = getattr(self.store, "warm_up", None)  # ClusterStore; LocalStore has none
+        if warm_up is not None:
+            warm_up()
 
     # -- loads ---------------------------------------------------------------------------
     def load(self, plan: StepPlan) -> None:
-        for transfer in plan.loads:
-            self._load_one(transfer)
+        """Start the step's loads: asynchronous ones on their thread; synchronous ones fetched
+        now and written layer by layer (``wait_for_layer``). The last step's output is out by
+        now: its queued puts may start (``save``)."""
+        self._step_began.set()
+        for t in plan.loads:
+            if t.asynchronous:
+                self._receiving[t.request_id] = self._async_loads.submit(self._load_whole, t,
+                                                                         None)
+        sync = [t for t in plan.loads if not t.asynchronous]
+        if not sync:
+            return
+        fetched = self._fetch_step(sync)
+        for f in fetched:
+            self.loaded_blocks += len(f.block_ids)
+        if not self.layerwise:
+            for f in fetched:
+                if f.payloads is not None:
+                    scatter_blocks(self.layers, f.block_ids, f.payloads)
+            return
+        self._step = _LayerLoads(self.layers, fetched)
+        self._scatters.submit(self._step.run)
 
-    def _load_one(self, t: BlockTransfer) -> None:
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Block until this step's synchronous loads are written into ``layer_name``."""
+        step = self._step
+        index = self._layer_index.get(layer_name)
+        if step is None or index is None:
+            return
+        step.wait(index)
+        step.waited.add(index)
+
+    def finish_loads(self) -> None:
+        """After the forward: the step's layer writes are over. A layer the forward did not
+        wait for may have been read half written, so its blocks become load errors (vLLM
+        recomputes them) and loads are written whole before the forward from then on."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        for i in range(len(step.done)):
+            step.wait(i)
+        if step.error is not None:
+            self._add_errors(step.block_ids)
+        elif len(step.waited) < len(self.layers):
+            log.warning("vLLM did not wait for every layer's load (%d of %d); loading whole "
+                        "before the forward from now on", len(step.waited), len(self.layers))
+            self.layerwise = False
+            self._add_errors(step.block_ids)
+
+    def finished_receiving(self) -> set[str]:
+        """Requests whose asynchronous loads are over (their errors already reported)."""
+        done = {rid for rid, future in self._receiving.items() if future.done()}
+        for rid in done:
+            self._receiving.pop(rid).result()
+        return done
+
+    def _load_whole(self, t: BlockTransfer, out: torch.Tensor | None) -> None:
         try:
-            results = self.store.batch_get(self.namespace_of(t.cache_salt), t.keys, t.tokens)
-        except KVStoreError as exc:
+            device = self.layers[0].key.device
+            if _on_cuda(device):
+                torch.cuda.set_device(device)
+            [fetched] = self._fetch_step([t], out)
+            if fetched.payloads is not None:
+                scatter_blocks(self.layers, fetched.block_ids, fetched.payloads)
+            if _on_cuda(device):  # written before vLLM is told, and schedules the request
+                torch.cuda.current_stream(device).synchronize()
+            self.loaded_blocks += len(fetched.block_ids)
+        except Exception:  # never a failed request: vLLM recomputes the whole transfer
+            log.exception("kvstore: loading %s failed; vLLM recomputes it", t.request_id)
+            self._add_errors(t.block_ids)
+
+    def _fetch_step(self, transfers: list[BlockTransfer],
+                    out: torch.Tensor | None = None) -> list[_Fetched]:
+        """Fetch and verify each transfer; the blocks after its first miss are load errors."""
+        on_device = bool(self.layers) and self.layers[0].key.device.type != "cpu"
+        if out is None and transfers and not on_device and hasattr(self.store, "batch_get_into"):
+            namespace = self.namespace_of(transfers[0].cache_salt)
+            rows = sum(len(t.keys) for t in transfers)
+            out = self._rows(rows, block_nbytes(namespace), shared=not transfers[0].asynchronous)
+        fetched, row = [], 0
+        for t in transfers:
+            part = None if out is None else out[row:row + len(t.keys)]
+            row += len(t.keys)
+            fetched.append(self._fetch(t, part))
+        return fetched
+
+    def _rows(self, rows: int, nbytes: int, *, shared: bool) -> torch.Tensor:
+        """Fetch rows: one buffer reused by synchronous loads (its pages are already mapped),
+        a fresh one for each asynchronous load (they overlap)."""
+        if not shared:
+            return new_rows(rows, nbytes)
+        buffer = self._buffer
+        if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != nbytes:
+            buffer = self._buffer = new_rows(rows, nbytes)
+        return buffer
+
+    def _fetch(self, t: BlockTransfer, out: torch.Tensor | None) -> _Fetched:
+        namespace = self.namespace_of(t.cache_salt)
+        view = getattr(self.store, "view", None)  # ClusterStore's IndexView
+        if t.holders is not None and view is not None:
+            view.remember(t.keys, t.holders)  # the scheduler's lookup: no second index call
+        try:
+            if out is not None:
+                results = self.store.batch_get_into(namespace, t.keys, t.tokens, out)
+            elif self.layers and self.layers[0].key.device.type != "cpu":
+                # Verified, then copied to the caches' device (same node: DMA from the arena).
+                results = self.store.batch_get(namespace, t.keys, t.tokens,
+                                               device=self.layers[0].key.device)
+            else:
+                results = self.store.batch_get(namespace, t.keys, t.tokens)
+        except Exception as exc:  # the store's, Ray's or gRPC's: a miss, never a failure
             log.warning("kvstore fetch for %s failed; vLLM recomputes: %s", t.request_id, exc)
             results = []
         good = 0
         while good < len(results) and isinstance(results[good], FetchedBlock):
             good += 1
-        if good:
-            payloads = torch.stack([r.payload for r in results[:good]])
-            scatter_blocks(self.layers, t.block_ids[:good], payloads)
-            self.loaded_blocks += good
         if good < len(t.block_ids):
             log.warning("kvstore: %d of %d blocks of %s not loaded; vLLM recomputes them",
                         len(t.block_ids) - good, len(t.block_ids), t.request_id)
-            self._load_errors.update(t.block_ids[good:])
+            self._add_errors(t.block_ids[good:])
+        if not good:
+            return _Fetched(t, None)
+        if out is None:
+            return _Fetched(t, torch.stack([r.payload for r in results[:good]]))
+        start = payload_offset(namespace)  # the rows' payloads, viewed, never copied
+        payloads = out[:good, start:start + namespace.payload_nbytes] \
+            .view(namespace.torch_dtype).unflatten(1, namespace.payload_shape)
+        return _Fetched(t, payloads)
+
+    def _add_errors(self, block_ids: Sequence[int]) -> None:
+        with self._errors_lock:
+            self._load_errors.update(block_ids)
 
     def load_errors(self) -> set[int]:
         """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
-        errors, self._load_errors = self._load_errors, set()
+        with self._errors_lock:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
     # -- saves ---------------------------------------------------------------------------
     def save(self, plan: StepPlan) -> None:
+        """Gather the plan's blocks now (before vLLM can reuse their memory); put them from
+        the save thread once this step's output is out: at the next step's ``load``, or after
+        ``SAVE_DEFER_S`` when no step follows. On the cores vLLM runs on, a put started at once
+        would share them with the end of the step that completed the request."""
+        if plan.saves:
+            self._step_began.clear()
         for t in plan.saves:
             payloads = gather_blocks(self.layers, t.block_ids)  # before vLLM reuses the memory
             puts = [BlockPut(k, p, tok, payloads[i]) for i, (k, p, tok)
@@ -102,19 +332,25 @@ class WorkerSide:
                 self._pending = [f for f in self._pending if not f.done()] + [future]
 
     def _put(self, request_id: str, salt: str, puts: list[BlockPut]) -> None:
+        self._step_began.wait(SAVE_DEFER_S)
         try:
             self.store.batch_put(self.namespace_of(salt), puts)
             self.saved_blocks += len(puts)
-        except KVStoreError as exc:  # a cache that misses later, never a failed request
+        except Exception as exc:  # a cache that misses later, never a failed request
             log.warning("kvstore: saving %d blocks of %s failed: %s", len(puts), request_id, exc)
 
     def flush(self) -> None:
         """Wait for every queued put."""
+        self._step_began.set()
         with self._lock:
             pending, self._pending = self._pending, []
         for future in pending:
             future.result()
 
     def close(self) -> None:
+        self.finish_loads()
+        for future in list(self._receiving.values()):
+            future.exception()
         self.flush()
-        self._puts.shutdown(wait=True)
+        for pool in (self._scatters, self._async_loads, self._puts):
+            pool.shutdown(wait=True)

@@ -1,0 +1,71 @@
+"""Damage one block a vLLM instance published, where it lives (the store node's arena file), as
+a faulty disk or a hostile process on the node would: ``python -m tests.support.vllm_blocks
+JOB`` with a JSON job ``{"checkpoint", "block_size", "tokens", "block", "salt"}`` (the instance
+ran with ``dtype="float32"``, as ``benchmarks.vllm_instance`` runs them).
+
+The block is found the way the connector finds it: the namespace kvstore makes for a vLLM CPU
+instance of that checkpoint, the prompt's chained key, its holder in the index; one byte of its
+payload is flipped through a lease's location in the holder's arena file. Runs in a process of
+its own so that the test process never joins the Ray cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+from tests.support.arena import flip_last_byte
+
+
+def cpu_namespace(checkpoint: str, block_size: int, salt: str | None,
+                  dtype: str = "float32") -> Any:
+    """The namespace ``KVStoreConnector`` makes on a vLLM CPU instance of ``checkpoint``."""
+    import vllm
+
+    from kvstore.integrations.vllm.namespace import (
+        ModelGeometry,
+        checkpoint_fingerprint,
+        namespace,
+        numerics,
+    )
+
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        cfg = json.load(f)
+    geometry = ModelGeometry(
+        checkpoint=checkpoint, dtype=dtype, block_size=block_size,
+        num_layers=cfg["num_hidden_layers"],
+        num_kv_heads=cfg["num_key_value_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    tag = numerics(torch.device("cpu"), vllm.__version__, "CPU_ATTN")
+    return namespace(geometry, checkpoint_fingerprint(checkpoint), tag, salt)
+
+
+def corrupt(job: dict[str, Any]) -> str:
+    """Flip the last payload byte of block ``job["block"]`` of ``job["tokens"]``; its key."""
+    from kvstore.cluster.lifecycle import cluster_config, connect
+    from kvstore.config import KVStoreConfig
+    from kvstore.keys import BlockHasher
+
+    ns = cpu_namespace(job["checkpoint"], job["block_size"], job.get("salt"))
+    key = bytes(BlockHasher(ns).block_keys(job["tokens"])[job["block"]])
+    store = connect(cluster_config(KVStoreConfig()))
+    try:
+        [holders] = store.view.holders([key])
+        if not holders:
+            raise SystemExit(f"no node holds block {job['block']} ({key.hex()[:16]})")
+        client = store._client(holders[0])
+        lease = client.lease([key], 10.0)
+        [loc] = lease.locations
+        flip_last_byte(lease.shm_path, loc.offset, loc.nbytes)
+        client.release(lease.lease_id)
+    finally:
+        store.close()
+    return key.hex()
+
+
+if __name__ == "__main__":
+    print("CORRUPTED " + corrupt(json.loads(sys.argv[1])), flush=True)
