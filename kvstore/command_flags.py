@@ -11,6 +11,7 @@ an operator command must not pay for the worker stack it does not use.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,6 +50,7 @@ SERVE_FLAGS: dict[str, str] = {
     "model_name": "model_name",
     "prefill_replicas": "prefill_replicas",
     "decode_replicas": "decode_replicas",
+    "max_ongoing_requests": "max_ongoing_requests",
 }
 
 #: ``{section: {setting: value}}``: the settings flags override, as ``load_config`` takes them.
@@ -90,6 +92,10 @@ def start_flag_overrides(args: argparse.Namespace) -> Overrides:
         overrides.setdefault("index", {})["redis_password_file"] = args.redis_password_file
     if getattr(args, "capacity", None):
         overrides["pool"] = {"capacity_bytes": args.capacity}
+    if getattr(args, "disk_dir", None):
+        overrides.setdefault("pool", {})["disk_dir"] = os.path.abspath(args.disk_dir)
+    if getattr(args, "disk_capacity", None):
+        overrides.setdefault("pool", {})["disk_capacity_bytes"] = args.disk_capacity
     if getattr(args, "insecure", False):
         overrides["security"] = {"insecure": True}
     if getattr(args, "secrets_dir", None):

@@ -87,11 +87,12 @@ def cmd_start(args: argparse.Namespace) -> int:
     """
     import os
 
+    warn_argv_password(args.redis)
+    config = config_from_args(args)  # a bad flag is refused before torch and Ray are imported
+
     from kvstore.cluster import address, head, lifecycle
     from kvstore.node.shm_space import check_pool_fits
 
-    warn_argv_password(args.redis)
-    config = config_from_args(args)
     lifecycle.check_index(lifecycle.with_redis_password(config))  # before any head or actor
     resolved = address.resolve(args.address)
     started_head: address.RecordedCluster | None = None
@@ -169,8 +170,9 @@ def cmd_stop(args: argparse.Namespace) -> int:
         raise ClusterUnavailable("nothing to stop: no Ray cluster is named (--address, "
                                  "RAY_ADDRESS) or recorded on this machine; to stop kvstore on "
                                  "another cluster, pass its --address")
-    num_killed = lifecycle.stop(config, address=resolved)
-    console.print(f"kvstore stopped ({num_killed} actors)")
+    num_killed = lifecycle.stop(config, address=resolved, purge=args.purge)
+    console.print(f"kvstore stopped ({num_killed} actors)"
+                  + ("; disk tiers removed" if args.purge else ""))
     rec = address.recorded()
     if rec is not None and rec.address == resolved.address:
         _shutdown_ray()
@@ -196,6 +198,11 @@ def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--redis-password-file", metavar="FILE",
                    help="the Redis password, first line of FILE (or KVSTORE_INDEX_REDIS_PASSWORD)")
     p.add_argument("--capacity", metavar="SIZE", help="pool capacity per node, e.g. 4GiB")
+    p.add_argument("--disk-dir", metavar="DIR",
+                   help="a disk tier under every store node's pool: blocks evicted for space "
+                        "go here and survive a restart (pool.disk_dir; off by default)")
+    p.add_argument("--disk-capacity", metavar="SIZE",
+                   help="the disk tier's size per node, e.g. 100GiB (pool.disk_capacity_bytes)")
     p.add_argument("--secrets-dir", metavar="DIR",
                    help="where the cluster token, data key and CA are kept or made (default: "
                         "security.secrets_dir, else ~/.ray/kvstore)")
@@ -204,8 +211,11 @@ def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
                         "(logged loudly; only for a network you trust completely)")
     p.set_defaults(func=cmd_start)
 
-    p = sub.add_parser("stop", help="stop every kvstore actor and free the arenas")
+    p = sub.add_parser("stop", help="stop every kvstore actor and free the arenas (disk "
+                       "tiers are kept for the next start)")
     add_config_flags(p, address_fallback=RUNNING_CLUSTER)
+    p.add_argument("--purge", action="store_true",
+                   help="remove every store node's disk tier (pool.disk_dir) too")
     p.set_defaults(func=cmd_stop)
 
     # Operator views of the cache and the cluster (status, drain, ls, pin, unpin,
@@ -221,8 +231,16 @@ def build_parser(*, with_workers: bool = True) -> argparse.ArgumentParser:
         from kvstore.workers.jobs import args as job_args
 
         job_args.register(sub)
-        serve_args.register(sub)
+        serve_args.register(sub, engines={"vllm": _vllm_serve_engine})
     return parser
+
+
+def _vllm_serve_engine(args: argparse.Namespace) -> Any:
+    """``kvstore serve --engine vllm``: vLLM's replicas, wired here because the front end sits
+    below the integrations (design §2) and takes engines from above."""
+    from kvstore.integrations.vllm.serve_engine import serve_engine
+
+    return serve_engine(args)
 
 
 def _fail(message: str) -> None:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
 
 from kvstore.cli.cache import connect, operator_config, size_text
 from kvstore.command_flags import RUNNING_CLUSTER, add_config_flags
+from kvstore.command_output import output_console
 
 #: Digits of a node id the narrow table shows (Ray's ids are 56; 12 stay unique in practice,
 #: and ``drain`` refuses an ambiguous prefix).
@@ -57,6 +59,24 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> Any:
     return table
 
 
+def _print_disk_tiers(console: Any, nodes: list[dict[str, Any]],
+                      ident: Callable[[str], str]) -> None:
+    """The disk tier of each node that has one (``tiers.disk.capacity_bytes`` > 0); nothing
+    when none has."""
+    disks = [n for n in nodes if (n.get("tiers") or {}).get("disk", {}).get("capacity_bytes")]
+    if not disks:
+        return
+    rows = []
+    for n in disks:
+        d = n["tiers"]["disk"]
+        use = d["used_bytes"] / d["capacity_bytes"]
+        rows.append([ident(n["node_id"]), size_text(d["used_bytes"]),
+                     size_text(d["capacity_bytes"]), f"{use:.0%}", str(d["blocks"]),
+                     str(d["hits"])])
+    console.print(_table("disk tiers (under each node's arena; kept across restarts)",
+                         ["node id", "used", "capacity", "use", "blocks", "disk hits"], rows))
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """Per-node use, hit rate and evictions; workers; the most used prefixes."""
     operator_config(args)
@@ -71,8 +91,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, default=str, sort_keys=True))
         return 0
-    # --wide is for wide terminals and for grep: never squeeze it into the terminal's width
-    console = Console(soft_wrap=False, width=400 if args.wide else None)
+    # --wide is for wide terminals and for grep: never squeeze it into the terminal's width;
+    # off a terminal (a pipe, a log) no line is wrapped at all (command_output).
+    console = Console(soft_wrap=False, width=400) if args.wide else output_console()
     ident = (lambda s: s) if args.wide else (lambda s: s[:SHORT_ID])
     rows = []
     for n in status["nodes"]:
@@ -83,6 +104,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     console.print(_table("nodes (drain takes the id or a unique prefix)",
                          ["node id", "alive", "used", "capacity", "use", "blocks", "hits",
                           "evicted"], rows))
+    _print_disk_tiers(console, status["nodes"], ident)
     t = status["totals"]
     console.print(f"total: {t['nodes_alive']} alive, {size_text(t['used_bytes'])} of "
                   f"{size_text(t['capacity_bytes'])}, {t['blocks']} blocks, hit rate "

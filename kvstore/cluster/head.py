@@ -39,18 +39,38 @@ HEAD_START_TIMEOUT_S = 90.0
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
+_PORT_FLAGS = ("ray-client-server-port", "node-manager-port", "object-manager-port",
+               "runtime-env-agent-port", "dashboard-agent-listen-port",
+               "dashboard-agent-grpc-port", "metrics-export-port")
+
+
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return _free_ports(1)[0]
+
+
+def _free_ports(n: int, exclude: Sequence[int] = ()) -> list[int]:
+    """``n`` distinct free loopback ports, none in ``exclude``. The sockets stay bound until
+    all are chosen: one at a time, the kernel may hand the same port out twice, and Ray then
+    refuses to start ("the same port is used by multiple components")."""
+    held: list[socket.socket] = []
+    try:
+        ports: list[int] = []
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+            if port not in exclude:
+                ports.append(port)
+        return ports
+    finally:
+        for s in held:
+            s.close()
 
 
 def head_command(port: int, temp_dir: str) -> list[str]:
     """The exact ``ray start`` line (all ports explicit); also what an operator could run."""
-    ports = {name: _free_port() for name in (
-        "ray-client-server-port", "node-manager-port", "object-manager-port",
-        "runtime-env-agent-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-        "metrics-export-port")}
+    ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS), exclude=[port]), strict=True))
     return ["ray", "start", "--head", "--block", f"--port={port}",
             "--node-ip-address=127.0.0.1", "--include-dashboard=false",
             "--disable-usage-stats", f"--temp-dir={temp_dir}",

@@ -103,6 +103,9 @@ def ensure_ray(address: str | Resolved | None = None, *, start_local: bool = Tru
             "none is named), or pass --address HOST:PORT / set RAY_ADDRESS")
     if resolved.address in (None, LOCAL):
         os.environ.setdefault("RAY_AUTH_MODE", auth_mode_for_private_ray())
+        # The embedded default's Ray lives and dies with this process and serves nobody else:
+        # its GCS, raylet and object manager listen on loopback, never on the network.
+        keep_loopback_address()
         # "local", never None: Ray would read its own address file and attach to whatever
         # `ray start` left there, alive or stale.
         ray.init(address="local", include_dashboard=False, **kwargs)
@@ -440,9 +443,10 @@ def _unlink_arenas(patterns: list[str]) -> int:
     return removed
 
 
-def stop(config: KVStoreConfig | None = None, *, address: str | Resolved | None = None
-         ) -> int:
-    """Tear everything down: the watcher first (so nothing respawns), stores, coordinator."""
+def stop(config: KVStoreConfig | None = None, *, address: str | Resolved | None = None,
+         purge: bool = False) -> int:
+    """Tear everything down: the watcher first (so nothing respawns), stores, coordinator.
+    Disk tiers stay for the next start unless ``purge`` (then each node removes its own)."""
     config = config or KVStoreConfig()
     ensure_ray(address, start_local=False)
     num_killed = int(_kill(WATCHER_NAME))
@@ -453,7 +457,7 @@ def stop(config: KVStoreConfig | None = None, *, address: str | Resolved | None 
         except ValueError:
             continue
         with contextlib.suppress(Exception):  # a dead or wedged node is killed below anyway
-            ray.get(handle.shutdown.remote(), timeout=10)
+            ray.get(handle.shutdown.remote(purge=purge), timeout=30)
         ray.kill(handle, no_restart=True)
         num_killed += 1
     num_killed += int(_kill(COORDINATOR_NAME))

@@ -77,6 +77,17 @@ def _base_env() -> dict[str, str]:
      "argument --temperature: invalid float value: 'hot' (`kvstore generate --help`"),
     (["serve", "--port", "http"], "argument --port: invalid int value: 'http'"),
     ([], "the following arguments are required: COMMAND (`kvstore --help` lists"),
+    # the disk tier's flags, refused before anything starts:
+    (["start", "--disk-dir", "/tmp/kvstore-cli-tier", "--disk-capacity", "lots"],
+     "pool.disk_capacity_bytes: 'lots' is not a size"),
+    (["start", "--disk-dir", "/tmp/kvstore-cli-tier", "--disk-capacity", "-5GiB"],
+     "pool.disk_capacity_bytes: '-5GiB' is not a size; a size is > 0"),
+    (["start", "--disk-capacity", "10GiB"], "pool.disk_capacity_bytes needs pool.disk_dir"),
+    (["start", "--disk-dir", "/tmp/kvstore-cli-tier"],
+     "pool.disk_dir needs pool.disk_capacity_bytes (--disk-capacity)"),
+    (["start", "--disk-dir", "/etc/hostname", "--disk-capacity", "1GiB"],
+     "pool.disk_dir '/etc/hostname' exists and is not a directory"),
+    (["stop", "--purge", "--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_bad_input_prints_one_line_and_exits_2(args: list[str], needle: str) -> None:
     proc = run_cli(*args, env=_base_env())
@@ -174,6 +185,28 @@ def test_status_workers_table_fits_80_columns_and_wide_shows_all() -> None:
     assert node_id in text and "ab" * 32 in text
 
 
+def test_status_shows_each_nodes_disk_tier_and_none_without_one() -> None:
+    from rich.console import Console
+
+    from kvstore.cli.status import _print_disk_tiers
+
+    def node(node_id: str, disk_capacity: int) -> dict:
+        return {"node_id": node_id, "tiers": {
+            "arena": {"used_bytes": 1, "capacity_bytes": 2, "blocks": 1, "hits": 0},
+            "disk": {"used_bytes": disk_capacity // 4, "capacity_bytes": disk_capacity,
+                     "blocks": 7, "hits": 3}}}
+
+    out = Console(width=120, record=True)
+    _print_disk_tiers(out, [node("a" * 16, 4 << 30), node("b" * 16, 0)], lambda s: s[:12])
+    text = out.export_text()
+    assert "disk tiers" in text and "a" * 12 in text and "b" * 12 not in text
+    row = next(line for line in text.splitlines() if "a" * 12 in line)
+    assert "1.0G" in row and "4.0G" in row and "25%" in row and " 7 " in row
+    none = Console(width=120, record=True)
+    _print_disk_tiers(none, [node("b" * 16, 0)], lambda s: s)
+    assert none.export_text() == ""
+
+
 def test_salt_label_never_shows_the_salt() -> None:
     from kvstore.cluster.operations import salt_label
 
@@ -197,6 +230,7 @@ def ray_head() -> Iterator[dict[str, str]]:
     env = _base_env()
     head = subprocess.Popen(
         ["ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
+         "--node-ip-address=127.0.0.1",
          "--disable-usage-stats", "--include-dashboard=false",
          f"--temp-dir={temp_dir}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
@@ -242,6 +276,37 @@ def _kill_head(head: subprocess.Popen[bytes], temp_dir: str) -> None:
             pass
 
 
+def test_start_with_a_disk_tier_status_stop_keeps_it_purge_removes_it(
+        ray_head: dict[str, str], tmp_path: Path) -> None:
+    env = ray_head
+    disk_dir = tmp_path / "tier"
+    started = run_cli("start", "--capacity", "8MiB", "--disk-dir", str(disk_dir),
+                      "--disk-capacity", "64MiB", env=env)
+    assert started.returncode == 0, started.stderr
+    try:
+        proc = run_cli("status", "--json", env=env)
+        assert proc.returncode == 0, proc.stderr
+        node = json.loads(proc.stdout)["nodes"][0]
+        assert node["tiers"]["disk"]["capacity_bytes"] == 64 << 20
+        assert node["tiers"]["disk"]["blocks"] == 0
+        assert node["tiers"]["arena"]["capacity_bytes"] == 8 << 20
+        table = run_cli("status", env=env)
+        assert table.returncode == 0, table.stderr
+        assert "disk tiers" in table.stdout and "64.0M" in table.stdout
+        assert (disk_dir / "tier.json").is_file()
+    finally:
+        stopped = run_cli("stop", env=env)
+    assert stopped.returncode == 0, stopped.stderr
+    assert (disk_dir / "tier.json").is_file()  # kept for the next start
+    restarted = run_cli("start", "--capacity", "8MiB", "--disk-dir", str(disk_dir),
+                        "--disk-capacity", "64MiB", env=env)
+    assert restarted.returncode == 0, restarted.stderr
+    purged = run_cli("stop", "--purge", env=env)
+    assert purged.returncode == 0, purged.stderr
+    assert "disk tiers removed" in purged.stdout
+    assert not disk_dir.exists()
+
+
 def test_start_status_stop(ray_head: dict[str, str]) -> None:
     env = ray_head
     started = run_cli("start", "--capacity", "8MiB", env=env)
@@ -262,6 +327,9 @@ def test_start_status_stop(ray_head: dict[str, str]) -> None:
         table = run_cli("status", env=env)
         assert table.returncode == 0, table.stderr
         assert node["node_id"][:12] in table.stdout
+        # piped, so no line is wrapped: each fact stays on its line for grep
+        assert any(line.startswith("security:") and "certificates expire in" in line
+                   for line in table.stdout.splitlines()), table.stdout
 
         pinned = run_cli("pin", "--soft", "--ttl", "60", "ab" * 32, env=env)
         assert pinned.returncode == 1  # nobody holds it: nothing pinned, and it says so
@@ -399,7 +467,12 @@ def test_ls_and_pin_by_prompt_name_exactly_what_prefill_published(
         assert status["top_prefixes"] == [] or len(status["top_prefixes"][0]["key"]) == 64
         table = run_cli("status", env=env)
         assert table.returncode == 0, table.stderr
-        assert max(map(len, table.stdout.splitlines())) <= 80
+        # the tables fit 80 columns; the prose lines after them (security, Ray's reach) are
+        # never wrapped off a terminal, whatever their length (grep finds them whole)
+        prose = ("total:", "security:", "ray:", "WARNING", "drift", "numerics:")
+        rows = [line for line in table.stdout.splitlines() if not line.startswith(prose)]
+        assert max(map(len, rows)) <= 80, table.stdout
+        assert any(line.startswith("ray: ") for line in table.stdout.splitlines())
         assert node_id[:SHORT_ID] in table.stdout and node_id not in table.stdout
         wide = run_cli("status", "--wide", env=env)
         assert wide.returncode == 0 and node_id in wide.stdout

@@ -136,3 +136,41 @@ def test_the_local_head_answers_nothing_from_another_host(
         if rec is not None:
             run_cli("stop", env=env)
             head.stop_head(rec)  # whatever `stop` left, by its process group and temp dir
+
+
+EMBEDDED = """
+import sys
+from kvstore.cluster.lifecycle import ensure_ray
+ensure_ray(None)  # nothing named or recorded: the embedded default's private Ray
+print("UP", flush=True)
+sys.stdin.readline()  # until the test has looked at its sockets
+"""
+
+
+def test_the_embedded_defaults_private_ray_listens_on_loopback_only(tmp_path: Path) -> None:
+    """A command on the embedded default (`kvstore demo`, `generate` with nothing started)
+    starts a Ray of its own: it serves that process only, so nothing of it is on the network."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "RAY_"))}
+    env[address.STATE_DIR_ENV] = str(tmp_path / "state")
+    env["RAY_AUTH_MODE"] = "disabled"
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.Popen([sys.executable, "-c", EMBEDDED], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "UP"
+        sockets = listening({p.pid for p in process_tree(proc.pid)})
+        assert sockets, "the private Ray listens somewhere"
+        assert [s for s in sockets if not on_loopback(s[0])] == []
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(timeout=60)
+
+
+def test_every_port_of_the_head_is_distinct() -> None:
+    """Chosen one at a time, two of Ray's ports could be the same free port, and Ray then
+    refuses to start the head; they are chosen together, and apart from the GCS port."""
+    for _ in range(200):
+        argv = head.head_command(head._free_port(), "/tmp/x")
+        ports = [int(a.rpartition("=")[2]) for a in argv if a.startswith("--") and "port=" in a]
+        assert len(ports) == 8 and len(set(ports)) == 8, argv
