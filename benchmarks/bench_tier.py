@@ -91,11 +91,14 @@ def replay(pool: TieredPool, requests: list) -> tuple[int, int, int]:
                 pool.release(lease.lease_id)
                 make_room(pool, n * nb)
                 lease = pool.lease(keys[:n], 30.0)
+            # A lease lists its locations in no promised order (promoted blocks may come
+            # after the arena's): each is checked against its own key's tokens.
+            tokens_of = dict(zip(keys, req.token_ids, strict=True))
             try:
-                for loc, tokens in zip(lease.locations, req.token_ids, strict=False):
+                for loc in lease.locations:
                     data = bytes(pool.leased_bytes(loc.offset, loc.nbytes))
                     try:
-                        verify_block(data, TRACE_NS, loc.key, tokens)
+                        verify_block(data, TRACE_NS, loc.key, tokens_of[loc.key])
                     except Exception:
                         wrong += 1
                 hits += len(lease.locations)

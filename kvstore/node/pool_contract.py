@@ -33,7 +33,9 @@ class BlockLocation:
 
 @dataclass(slots=True)
 class Lease:
-    """Blocks pinned for a reader until release or ``expires_at``; missing keys are absent."""
+    """Blocks pinned for a reader until release or ``expires_at``; missing keys are absent.
+    ``locations`` come in no promised order (a tiered pool lists the arena's first, then what
+    it promoted or leased as files): readers match them by key."""
 
     lease_id: int
     locations: list[BlockLocation]
