@@ -410,6 +410,11 @@ class TieredPool:
         with self._lock:
             self._promoted[:0] = list(keys)
 
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes of demoted blocks still waiting for the disk."""
+        return self._queue.queued_bytes
+
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait for queued demotions to reach the disk (a stop, tests, benchmarks)."""
         return self._queue.flush(timeout_s)
