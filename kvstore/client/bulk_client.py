@@ -8,19 +8,25 @@ namespace's blocks, and only to a credential granting its tenant.
 
 from __future__ import annotations
 
+import logging
 import socket
 import ssl
 import struct
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvstore.errors import NodeUnavailable
 from kvstore.keys import Namespace
 from kvstore.node.bulk_frames import (
     COUNT,
     MAGIC,
+    MAX_REQUEST_BYTES,
     MISSING,
     RESP_HEAD,
+    STATUS_ERROR,
+    STATUS_OK,
+    encode_call,
     encode_request,
     raise_for_status,
     recv_exact,
@@ -29,6 +35,8 @@ from kvstore.node.bulk_frames import (
     set_kernel_timeouts,
 )
 from kvstore.node.proto_forms import spec_from_namespace
+
+log = logging.getLogger(__name__)
 
 _MAX_AHEAD_BYTES = 64 << 10  # requests in flight must fit the peer's socket buffer
 
@@ -210,6 +218,53 @@ class BulkClient:
             out.append(nbytes)
         recv_exact_into_many(sock, views)
         return out
+
+    def call(self, method: str, payload: bytes) -> bytes:
+        """The node's serialized answer to ``method`` (one of ``bulk_frames.CALLS``) with a
+        serialized request, sent as a call frame. A refusal raises as ``raise_for_status``
+        says (the node's own refusal of the request: NodeUnavailable with its message); the
+        caller may then ask gRPC, which answers with the typed error."""
+        frame = encode_call(self._credential, method, payload)
+        while True:
+            sock, reused = self._checkout()
+            try:
+                sock.sendall(frame)
+                magic, status, msg_len = RESP_HEAD.unpack(recv_exact(sock, RESP_HEAD.size))
+            except (OSError, NodeUnavailable):
+                sock.close()
+                if reused:  # the node closed it while idle: once more on a fresh one
+                    continue
+                raise
+            except BaseException:
+                sock.close()
+                raise
+            break
+        try:
+            if magic != MAGIC:
+                raise NodeUnavailable(f"{self.address} does not speak the kvstore bulk "
+                                      f"protocol {MAGIC!r}")
+            if msg_len > 4 * MAX_REQUEST_BYTES:
+                raise NodeUnavailable(f"{self.address} sent a {msg_len}-byte answer")
+            answer = recv_exact(sock, msg_len) if msg_len else b""
+        except BaseException:
+            sock.close()
+            raise
+        if status in (STATUS_OK, STATUS_ERROR):  # the node keeps the connection open
+            self._checkin(sock)
+        else:  # a refusal: the node closes it
+            sock.close()
+        raise_for_status(status, answer.decode(errors="replace"), self.address)
+        return answer
+
+    def try_call(self, method: str, request: Any, response_type: Any) -> Any:
+        """``call`` with protobuf messages; None when it failed for any reason: the caller
+        then asks gRPC, which judges again and answers with the typed error."""
+        try:
+            return response_type.FromString(self.call(method, request.SerializeToString()))
+        except Exception as exc:  # noqa: BLE001 - whatever it was, gRPC asks again
+            log.debug("%s over the bulk channel %s failed, asking gRPC: %s", method,
+                      self.address, exc)
+            return None
 
     def _checkout(self) -> tuple[socket.socket, bool]:
         with self._lock:

@@ -82,6 +82,7 @@ class ClusterStore:
         self.lease_ttl_s = lease_ttl_s
         self._resolve = _resolver(directory)
         self._clients: dict[str, StoreNodeClient] = {}
+        self._no_local_calls = False  # set once this host's node cannot answer lookups
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._pusher = threading.Thread(target=self._push_loop, daemon=True,
@@ -90,7 +91,36 @@ class ClusterStore:
 
     # -- the facade -------------------------------------------------------------------------
     def lookup_prefix(self, namespace: Namespace, keys: Sequence[bytes]) -> PrefixHit:
-        return self.view.lookup_prefix(list(keys))
+        """The longest cached prefix of ``keys``: what the view knows, then the leading run
+        this host's store node holds (asked on its bulk channel: a fraction of the index's
+        Ray round trip, and the node is the authority on what it holds), then the index
+        for the rest."""
+        keys = [bytes(k) for k in keys]
+        known = self.view.fresh_count(keys)
+        here = self._held_here(namespace, keys[known:]) if known < len(keys) else 0
+        if here:
+            self.view.remember(keys[known:known + here], [[self.local_node_id]] * here)
+        if self.view.ttl_s > 0:
+            return self.view.lookup_prefix(keys)  # it knows this node's run now
+        # a view that remembers nothing: this node's run, then the index's for the rest
+        rest = self.view.lookup_prefix(keys[here:]) if here < len(keys) else PrefixHit(0, [])
+        return PrefixHit(here + rest.num_blocks, [[self.local_node_id]] * here + rest.holders)
+
+    def _held_here(self, namespace: Namespace, keys: list[bytes]) -> int:
+        """How many leading ``keys`` this host's store node holds, when it answers on its
+        bulk channel (0 when there is none, or it fails: the index is asked then)."""
+        if self._no_local_calls:
+            return 0
+        try:
+            client = self._client(self.local_node_id)
+        except KVStoreError:  # no store node on this host: ask the index from now on
+            self._no_local_calls = True
+            return 0
+        if not (client.same_node and client.has_bulk):
+            self._no_local_calls = True
+            return 0
+        held = client.held_here(keys, namespace)
+        return 0 if held is None else (held.index(False) if False in held else len(held))
 
     def batch_get(self, namespace: Namespace, keys: Sequence[bytes],
                   token_ids: Sequence[TokenIds], *, device: torch.device | str | None = None

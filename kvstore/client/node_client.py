@@ -22,13 +22,20 @@ from kvstore.client.device_copy import DeviceRows, StagingPool
 from kvstore.client.device_reads import shm_into_device, staged_into_device
 from kvstore.client.file_reads import read_leased
 from kvstore.client.lease_releases import LeaseReleases
-from kvstore.client.replies import HeldBlock, LeaseInfo, NodeHealth, NodeStats, PutResult
+from kvstore.client.replies import (
+    HeldBlock,
+    LeaseInfo,
+    NodeHealth,
+    NodeStats,
+    PutResult,
+    blocks_of_get_stream,
+)
+from kvstore.client.shm_reader import byte_view
 from kvstore.client.verify_pool import verify_landed
 from kvstore.config import ClientConfig
 from kvstore.errors import (
     KVStoreError,
     LeaseExpired,
-    NodeUnavailable,
     Overloaded,
 )
 from kvstore.keys import Namespace
@@ -193,25 +200,9 @@ class StoreNodeClient:
 
     def _grpc_get(self, keys: list[bytes], namespace: Namespace | None
                   ) -> list[bytes | bytearray | None]:
-        found: dict[bytes, bytes | bytearray] = {}
-        partial: dict[bytes, bytearray] = {}
         stream = self._stub.Get(self._keys_request(keys, namespace),
                                 timeout=self.config.timeout_s, metadata=self._metadata)
-        for msg in stream:
-            if not msg.found:
-                continue
-            if msg.offset == 0 and len(msg.data) == msg.total_nbytes:
-                found[msg.key] = msg.data  # the common case: the block in one message
-                continue
-            buf = partial.setdefault(msg.key, bytearray())
-            if msg.offset != len(buf):
-                raise NodeUnavailable(f"{self.address} sent block chunks out of order")
-            buf += msg.data
-            if len(buf) == msg.total_nbytes:
-                found[msg.key] = partial.pop(msg.key)
-        if partial:  # the stream ended inside a block: none of it may be used
-            raise NodeUnavailable(f"{self.address} ended the Get stream inside a block")
-        return [found.get(k) for k in keys]
+        return blocks_of_get_stream(stream, keys, self.address)
 
     def get_blocks_into(self, keys: Sequence[bytes], buffers: Sequence[Buffer],
                         namespace: Namespace | None = None) -> list[int | None]:
@@ -227,7 +218,7 @@ class StoreNodeClient:
         if self.same_node:
             return self._shm_get_into(keys, buffers, scope=namespace)
         if self._bulk is not None:
-            return self._bulk.fetch_into(keys, lambda i, n: _byte_view(buffers[i]),
+            return self._bulk.fetch_into(keys, lambda i, n: byte_view(buffers[i]),
                                          namespace=namespace)
         sizes: list[int | None] = []
         for data, buf in zip(self._call(lambda: self._grpc_get(keys, namespace)), buffers,
@@ -235,7 +226,7 @@ class StoreNodeClient:
             if data is None:
                 sizes.append(None)
                 continue
-            dst = _byte_view(buf)
+            dst = byte_view(buf)
             if len(dst) < len(data):
                 raise ValueError(f"buffer of {len(dst)} bytes is too small for a "
                                  f"{len(data)}-byte block")
@@ -282,7 +273,7 @@ class StoreNodeClient:
         if self.same_node:
             return self._shm_get_into(keys, buffers, namespace, token_ids)
         out: list[int | KVStoreError | None] = [None] * len(keys)
-        views = [_byte_view(b) for b in buffers]
+        views = [byte_view(b) for b in buffers]
 
         def verify(lo: int, sizes: Sequence[int | None]) -> None:
             hi = lo + len(sizes)
@@ -380,17 +371,20 @@ class StoreNodeClient:
     def lease(self, keys: Sequence[bytes], ttl_s: float, *,
               namespace: Namespace | None = None, files: bool = False) -> LeaseInfo:
         """Pin the held ``keys`` on the node for ``ttl_s`` seconds (absent ones are listed;
-        the node clamps ``ttl_s`` to its ``server.max_lease_ttl_s``). ``namespace``: as in
-        ``get_blocks``: blocks of another namespace are listed as absent. ``files``: disk
-        blocks may come back as files (``BlockLocation.path``; ``kvstore.client.file_reads``).
+        the node clamps ``ttl_s`` to ``server.max_lease_ttl_s``). ``namespace``: as in
+        ``get_blocks``. ``files``: disk blocks may come back as files (``file_reads``).
         Leases ended with ``release_nowait`` and not sent yet ride along and are released
-        first (put back if the call fails: the release thread sends them then)."""
+        first (put back if the call fails: the release thread sends them then). A same-node
+        reader asks over the bulk channel (one socket round trip), gRPC if that fails."""
         done = self._releases.take()
+        request = pb.LeaseRequest(
+            keys=list(keys), ttl_s=ttl_s, reader_node_id=self.reader_node_id,
+            release_lease_ids=done, accept_files=files and self.same_node,
+            namespace=None if namespace is None else spec_from_namespace(namespace))
         try:
-            resp = self._unary(self._stub.Lease, pb.LeaseRequest(
-                keys=list(keys), ttl_s=ttl_s, reader_node_id=self.reader_node_id,
-                release_lease_ids=done, accept_files=files and self.same_node,
-                namespace=None if namespace is None else spec_from_namespace(namespace)))
+            resp = self._bulk_call("Lease", request, pb.LeaseResponse)
+            if resp is None:
+                resp = self._unary(self._stub.Lease, request)
         except BaseException:
             self._releases.put_back(done)
             raise
@@ -421,7 +415,25 @@ class StoreNodeClient:
     def exists(self, keys: Sequence[bytes], namespace: Namespace | None = None) -> list[bool]:
         """Whether the node holds each key (in ``namespace``: as in ``get_blocks``)."""
         request = self._keys_request([bytes(k) for k in keys], namespace)
-        return list(self._unary(self._stub.Exists, request).present)
+        resp = self._bulk_call("Exists", request, pb.ExistsResponse)
+        if resp is None:
+            resp = self._unary(self._stub.Exists, request)
+        return list(resp.present)
+
+    def held_here(self, keys: Sequence[bytes], namespace: Namespace) -> list[bool] | None:
+        """``exists`` for a same-node reader on the bulk channel only: None when there is
+        none or it failed (a lookup then asks the index, and never waits on gRPC retries)."""
+        request = self._keys_request([bytes(k) for k in keys], namespace)
+        resp = self._bulk_call("Exists", request, pb.ExistsResponse)
+        return None if resp is None else list(resp.present)
+
+    def _bulk_call(self, method: str, request: Any, response_type: Any) -> Any:
+        """A same-node reader's ``method`` on the bulk channel (one socket round trip, where
+        a gRPC unary costs about a millisecond on a busy host), or None when this client
+        has no such channel or the call failed: gRPC asks then."""
+        if not (self.same_node and self._bulk is not None):
+            return None
+        return self._bulk.try_call(method, request, response_type)
 
     def delete(self, keys: Sequence[bytes]) -> int:
         return self._unary(self._stub.Delete, pb.KeysRequest(keys=list(keys))).num_deleted
@@ -479,21 +491,6 @@ class StoreNodeClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _byte_view(buf: Buffer) -> memoryview:
-    """A writable flat byte view of a bytearray, memoryview, numpy array or CPU tensor."""
-    try:
-        import torch
-
-        if isinstance(buf, torch.Tensor):
-            buf = buf.view(torch.uint8).reshape(-1).numpy()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    view = memoryview(buf)
-    if view.readonly:
-        raise ValueError("destination buffer must be writable")
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 #: How long a finished lease waits for the reader's next ``lease`` to carry its release.

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from kvstore.errors import NodeUnavailable
 from kvstore.node.block_pool import BlockLocation
 
 
@@ -52,3 +55,27 @@ class HeldBlock:
     nbytes: int
     parent_key: bytes
     namespace_root: bytes
+
+
+def blocks_of_get_stream(stream: Iterable[Any], keys: Sequence[bytes], address: str
+                         ) -> list[bytes | bytearray | None]:
+    """The whole blocks a gRPC ``Get`` stream of ``GetChunk`` messages carries, in the order
+    of ``keys`` (None: not found). NodeUnavailable if the chunks come out of order or the
+    stream ends inside a block: none of a cut block may be used."""
+    found: dict[bytes, bytes | bytearray] = {}
+    partial: dict[bytes, bytearray] = {}
+    for msg in stream:
+        if not msg.found:
+            continue
+        if msg.offset == 0 and len(msg.data) == msg.total_nbytes:
+            found[msg.key] = msg.data  # the common case: the block in one message
+            continue
+        buf = partial.setdefault(msg.key, bytearray())
+        if msg.offset != len(buf):
+            raise NodeUnavailable(f"{address} sent block chunks out of order")
+        buf += msg.data
+        if len(buf) == msg.total_nbytes:
+            found[msg.key] = partial.pop(msg.key)
+    if partial:
+        raise NodeUnavailable(f"{address} ended the Get stream inside a block")
+    return [found.get(k) for k in keys]

@@ -40,6 +40,16 @@ _CHUNK = 4 << 20
 Buffer = memoryview | bytearray | torch.Tensor | np.ndarray
 
 
+def byte_view(buf: Buffer) -> memoryview:
+    """A writable flat byte view of a bytearray, memoryview, numpy array or CPU tensor."""
+    if isinstance(buf, torch.Tensor):
+        buf = buf.view(torch.uint8).reshape(-1).numpy()
+    view = memoryview(buf)  # type: ignore[arg-type]  # numpy arrays export the protocol
+    if view.readonly:
+        raise ValueError("destination buffer must be writable")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 def as_uint8_array(dst: Buffer) -> np.ndarray:
     """A writable flat uint8 numpy view of a caller's buffer (no copy)."""
     if isinstance(dst, torch.Tensor):

@@ -57,6 +57,10 @@ class IndexView:
         self._learn(keys[len(known) : len(known) + rest.num_blocks], rest.holders)
         return PrefixHit(len(known) + rest.num_blocks, known + rest.holders)
 
+    def fresh_count(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the view would answer from memory now."""
+        return len(self._fresh_prefix([bytes(k) for k in keys]))
+
     def holders(self, keys: Sequence[bytes]) -> list[list[str]]:
         """Holders per key: fresh known ones from memory, the others in one index call."""
         keys = [bytes(k) for k in keys]

@@ -57,6 +57,7 @@ from kvstore.errors import (
 )
 from kvstore.node.block_pool import ServedPool
 from kvstore.node.bulk_frames import (
+    CALL_MAGIC,
     IDLE_TIMEOUT_S,
     LEASE_TTL_S,
     MAGIC,
@@ -73,8 +74,10 @@ from kvstore.node.bulk_frames import (
     STATUS_OK,
     STATUS_TOO_LARGE,
     STATUS_UNAUTHENTICATED,
+    CallRequest,
     HeaderTimeout,
     decode_body,
+    decode_call,
     recv_by,
     recv_exact,
     set_kernel_timeouts,
@@ -118,6 +121,10 @@ class BulkServer:
         self.on_read = on_read
         self.data_key = data_key
         self.root_of = root_of
+        #: method -> ``answer(grant, request bytes) -> response bytes``: the node's gRPC
+        #: methods that call frames may name (StoreServer sets them); each raises the error
+        #: gRPC would answer with. A method missing here is refused as a bad request.
+        self.calls: dict[str, Callable[[Grant, bytes], bytes]] = {}
         self._auth = Authenticator([config.auth_token, config.previous_auth_token])
         self._ssl: ssl.SSLContext | None = server_ssl_context(config)
         self._listener: socket.socket | None = None
@@ -263,9 +270,10 @@ class BulkServer:
 
     def _read_request(self, conn: socket.socket, head: bytes, deadline: float
                       ) -> tuple[Grant, Any]:
-        """Check the head, then the credential, and only then read the body."""
+        """Check the head, then the credential, and only then read the body (a fetch's or,
+        under ``CALL_MAGIC``, a call's)."""
         magic, cred_len, body_len = REQ_HEAD.unpack(head)
-        if magic != MAGIC:
+        if magic not in (MAGIC, CALL_MAGIC):
             raise _Refused(STATUS_BAD_REQUEST, "bad_request",
                            f"not a kvstore bulk request (expected {MAGIC!r} frames: is the "
                            "client older than the node?)")
@@ -282,7 +290,8 @@ class BulkServer:
         except Unauthenticated as exc:
             raise _Refused(STATUS_UNAUTHENTICATED, "unauthenticated", str(exc)) from None
         try:
-            req = decode_body(recv_by(conn, body_len, deadline))
+            body = recv_by(conn, body_len, deadline)
+            req = decode_call(body) if magic == CALL_MAGIC else decode_body(body)
         except ValueError as exc:
             raise _Refused(STATUS_BAD_REQUEST, "bad_request", str(exc)) from None
         return grant, req
@@ -329,6 +338,9 @@ class BulkServer:
     def _serve_one(self, conn: socket.socket, head: bytes, deadline: float) -> None:
         """Answer one request (raises _Refused to answer with an error and close)."""
         grant, req = self._read_request(conn, head, deadline)
+        if isinstance(req, CallRequest):
+            self._serve_call(conn, grant, req)
+            return
         want_root = self._reader_root(grant, req.namespace)
         keys = req.keys
         reader = req.reader if grant.admin else ""  # see the module docstring
@@ -369,6 +381,22 @@ class BulkServer:
             metrics.record_served("bulk", len(where), total)
         finally:
             self.pool.release(lease.lease_id)
+
+
+    def _serve_call(self, conn: socket.socket, grant: Grant, call: CallRequest) -> None:
+        """Answer a call frame. The node's refusal (a bad key, a namespace not granted, too
+        many leases) is an error answer on a connection that stays open: the reader asks
+        gRPC then, which answers with the typed error."""
+        answer = self.calls.get(call.method)
+        if answer is None:
+            raise _Refused(STATUS_BAD_REQUEST, "bad_request",
+                           f"this node answers no {call.method} calls on its bulk channel")
+        try:
+            response = answer(grant, call.payload)
+        except (KVStoreError, ValueError) as exc:
+            conn.sendall(status_frame(STATUS_ERROR, f"{type(exc).__name__}: {exc}"))
+            return
+        conn.sendall(RESP_HEAD.pack(MAGIC, STATUS_OK, len(response)) + response)
 
 
 def _coalesce(locs: Sequence[Any]) -> list[tuple[int, int]]:

@@ -113,3 +113,47 @@ def test_put_keys_are_visible_to_other_readers_under_concurrent_puts() -> None:
     finally:
         server.stop(0)
         pool.close()
+
+
+class CountingIndex:
+    """An index that records the keys of every ``lookup_prefix`` asked of it."""
+
+    def __init__(self, index: InMemoryIndex) -> None:
+        self.index, self.asked = index, []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.index, name)
+
+    def lookup_prefix(self, keys):  # noqa: ANN001, ANN201 - the Index signature
+        self.asked.append(list(keys))
+        return self.index.lookup_prefix(keys)
+
+
+def test_a_lookup_asks_this_hosts_node_first_and_the_index_for_the_rest(cluster) -> None:
+    """The reader's own store node answers for the leading blocks it holds (over its bulk
+    channel); the index is asked only for the blocks after them, or not at all. A view that
+    remembers nothing gets the same answer; a host whose node is gone asks the index."""
+    index, nodes, directory = cluster
+    ns = make_namespace()
+    puts, _ = make_puts(ns, 4, seed=5)
+    keys = [p.key for p in puts]
+    ClusterStore("node-a", index, directory.__getitem__, LONG_VIEW).batch_put(ns, puts[:2])
+    ClusterStore("node-b", index, directory.__getitem__, LONG_VIEW).batch_put(ns, puts[2:])
+    counted = CountingIndex(index)
+    for config in (LONG_VIEW, ClientConfig(timeout_s=5, retries=1, index_view_ttl_s=0.0)):
+        reader = ClusterStore("node-a", counted, directory.__getitem__, config)
+        counted.asked.clear()
+        hit = reader.lookup_prefix(ns, keys)
+        assert hit.num_blocks == 4
+        assert hit.holders == [["node-a"], ["node-a"], ["node-b"], ["node-b"]]
+        assert counted.asked == [keys[2:]]  # node-a answered for its two
+        counted.asked.clear()
+        assert reader.lookup_prefix(ns, keys[:2]).holders == [["node-a"]] * 2
+        assert counted.asked == []
+        reader.close()
+    nodes["node-a"][0].stop(0)  # this host's node is gone: the index answers, at once
+    reader = ClusterStore("node-a", counted, directory.__getitem__, LONG_VIEW)
+    counted.asked.clear()
+    assert reader.lookup_prefix(ns, keys).num_blocks == 4
+    assert counted.asked == [keys]
+    reader.close()

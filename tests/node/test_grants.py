@@ -59,9 +59,11 @@ class Node:
     def address(self) -> str:
         return self.server.addresses[0]
 
-    def client(self, credential: str | None, *, same_node: bool = False) -> StoreNodeClient:
+    def client(self, credential: str | None, *, same_node: bool = False,
+               bulk: bool = False) -> StoreNodeClient:
         cfg = ClientConfig(timeout_s=10, retries=0, auth_token=credential, node_id="reader-node")
         c = StoreNodeClient(self.address, shm_path=self.pool.path, same_node=same_node,
+                            bulk_address=self.server.addresses[1] if bulk else None,
                             config=cfg)
         self.clients.append(c)
         return c
@@ -164,6 +166,46 @@ def test_tenant_b_sees_none_of_tenant_a(node) -> None:
             attempt()
     assert node.pool.stats().num_leased == 0
     assert_a_is_served(node)
+
+
+class CountingCalls:
+    """A client's gRPC stub that counts the Lease and Exists calls made through it."""
+
+    def __init__(self, stub: object) -> None:
+        self.stub, self.calls = stub, {"Lease": 0, "Exists": 0}
+
+    def __getattr__(self, name: str) -> object:
+        if name in self.calls:
+            self.calls[name] += 1
+        return getattr(self.stub, name)
+
+
+def test_same_node_calls_on_the_bulk_channel_are_judged_as_on_grpc(node) -> None:
+    """A same-node reader leases and asks what is held over the bulk channel; the node applies
+    the same rules (the namespace filter, the tenant's grant, leases bound to their
+    credential), and a refusal there is asked again on gRPC, which raises the typed error."""
+    reader_b = node.client(creds("tenant-b"), same_node=True, bulk=True)
+    grpc = reader_b._stub = CountingCalls(reader_b._stub)
+    lease = reader_b.lease(node.keys_a + node.keys_b, 30.0, namespace=node.ns_b)
+    assert [loc.key for loc in lease.locations] == node.keys_b
+    assert lease.missing == node.keys_a
+    assert reader_b.exists(node.keys_a + node.keys_b, node.ns_b) == [False] * 3 + [True] * 3
+    assert grpc.calls == {"Lease": 0, "Exists": 0}
+    for attempt in (lambda: reader_b.lease(node.keys_a, 30.0, namespace=node.ns_a),
+                    lambda: reader_b.lease(node.keys_a, 30.0),
+                    lambda: reader_b.exists(node.keys_a, node.ns_a)):
+        with pytest.raises(PermissionDenied):
+            attempt()
+    assert grpc.calls == {"Lease": 2, "Exists": 1}  # each refusal asked gRPC for its error
+    other = node.client(creds("tenant-a"), same_node=True, bulk=True)
+    other.release(lease.lease_id)  # another credential's release is ignored
+    assert node.pool.stats().num_leased == 3
+    reader_b.release(lease.lease_id)
+    assert node.pool.stats().num_leased == 0
+    # tenant B's blocks come bitwise through a lease taken on the bulk channel
+    bufs = [bytearray(len(b)) for b in node.blocks_b]
+    assert reader_b.get_blocks_into(node.keys_b, bufs, node.ns_b) == [len(b) for b in bufs]
+    assert [bytes(b) for b in bufs] == node.blocks_b and grpc.calls["Lease"] == 2
 
 
 def test_another_namespace_of_the_same_tenant_sees_nothing(node) -> None:
