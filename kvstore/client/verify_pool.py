@@ -40,9 +40,26 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+_cap: int | None = None  # cap_threads: this process's own limit, if it set one
+
+
 def num_threads() -> int:
-    """Threads that work on one batch, the caller included."""
-    return max(1, min(os.cpu_count() or 1, MAX_THREADS))
+    """Threads that work on one batch, the caller included: the cores this process may run
+    on (its affinity, not the machine's count), at most ``MAX_THREADS`` and any cap set."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_THREADS, _cap or MAX_THREADS))
+
+
+def cap_threads(limit: int | None) -> None:
+    """Let at most ``limit`` threads (the caller included) work on one batch in this process
+    (None: no cap). For a process whose cores its own compute threads hold, like an inference
+    engine on the CPU: helper threads there wait on those threads and on each other for the
+    GIL, and a read ran several times slower than on the calling thread alone."""
+    global _cap
+    _cap = None if limit is None else max(1, limit)
 
 
 def _executor() -> ThreadPoolExecutor:

@@ -162,3 +162,22 @@ def test_vllm_is_told_to_recompute_what_kvstore_cannot_load() -> None:
     kept = SimpleNamespace(kv_load_failure_policy="fail")
     recompute_load_failures(kept, {"fail_on_load_error": True})
     assert kept.kv_load_failure_policy == "fail"
+
+
+def test_on_a_cpu_loads_read_on_the_calling_thread_into_a_buffer_touched_at_start(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU caches: the process's reads run on the calling thread (``cap_threads``), and the
+    synchronous loads' buffer exists before the first request, and grows twice over."""
+    from kvstore.block import block_nbytes
+    from kvstore.client import verify_pool
+    from kvstore.integrations.vllm import worker_side
+
+    monkeypatch.setattr(verify_pool, "_cap", None)  # restored after: the cap is process-wide
+    reader = WorkerSide(LocalStore(), ns, H, D)
+    reader.register(caches())
+    nbytes = block_nbytes(ns(""))
+    assert verify_pool.num_threads() == 1
+    assert reader._buffer is not None
+    assert tuple(reader._buffer.shape) == (worker_side.PRELOAD_ROWS, nbytes)
+    assert tuple(reader._rows(100, nbytes, shared=True).shape) == (128, nbytes)
+    reader.close()
