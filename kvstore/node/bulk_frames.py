@@ -112,15 +112,21 @@ def encode_call(credential: bytes, method: str, payload: bytes) -> bytes:
     return REQ_HEAD.pack(CALL_MAGIC, len(credential), len(body)) + credential + body
 
 
-def decode_call(raw: bytes) -> CallRequest:
-    """The call a body carries; InvalidRequest (naming the field) on anything else."""
+def _msgpack_map(raw: bytes, what: str) -> dict:
+    """A frame body as a msgpack map (bounded), or InvalidRequest naming ``what``."""
     try:
         fields = msgpack.unpackb(raw, max_bin_len=MAX_REQUEST_BYTES,
                                  max_str_len=MAX_REQUEST_BYTES)
     except Exception as exc:  # any parse failure is the client's fault, not ours
-        raise InvalidRequest(f"malformed bulk call: {type(exc).__name__}: {exc}") from None
+        raise InvalidRequest(f"malformed {what}: {type(exc).__name__}: {exc}") from None
     if not isinstance(fields, dict):
-        raise InvalidRequest("malformed bulk call: the body must be a msgpack map")
+        raise InvalidRequest(f"malformed {what}: the body must be a msgpack map")
+    return fields
+
+
+def decode_call(raw: bytes) -> CallRequest:
+    """The call a body carries; InvalidRequest (naming the field) on anything else."""
+    fields = _msgpack_map(raw, "bulk call")
     method, payload = fields.get("c"), fields.get("p")
     if method not in CALLS or not isinstance(payload, bytes):
         raise InvalidRequest(f"malformed bulk call: c must be one of {CALLS} and p bytes")
@@ -129,13 +135,7 @@ def decode_call(raw: bytes) -> CallRequest:
 
 def decode_body(raw: bytes) -> BulkRequest:
     """The request a body carries; InvalidRequest (naming the field) on anything else."""
-    try:
-        fields = msgpack.unpackb(raw, max_bin_len=MAX_REQUEST_BYTES,
-                                 max_str_len=MAX_REQUEST_BYTES)
-    except Exception as exc:  # any parse failure is the client's fault, not ours
-        raise InvalidRequest(f"malformed bulk request: {type(exc).__name__}: {exc}") from None
-    if not isinstance(fields, dict):
-        raise InvalidRequest("malformed bulk request: the body must be a msgpack map")
+    fields = _msgpack_map(raw, "bulk request")
     keys, reader, namespace = fields.get("k"), fields.get("r", ""), fields.get("n")
     if not isinstance(keys, list) or not isinstance(reader, str):
         raise InvalidRequest("malformed bulk request: k must be a list and r a string")

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import msgpack
 import pytest
 import torch
 
@@ -469,3 +470,21 @@ def test_requests_too_large_for_one_frame_are_refused_by_the_client() -> None:
     with pytest.raises(Unauthenticated):
         encode_request(b"x" * (MAX_CREDENTIAL_BYTES + 1), [], "", None)
 
+
+
+def test_call_frames_naming_no_known_call_or_an_unserved_one_are_bad_requests(make_node) -> None:
+    """A call frame (``KVC1``) must name one of ``CALLS`` with a bytes payload; one this
+    channel does not answer (no ``calls`` set: a bare bulk server) is refused the same way,
+    the connection closed, so the client asks gRPC instead."""
+    from kvstore.node.bulk_frames import CALL_MAGIC, encode_call
+
+    node = make_node()
+    body = msgpack.packb({"c": "Delete", "p": b""})
+    frames = [REQ_HEAD.pack(CALL_MAGIC, len(TOKEN), len(body)) + TOKEN.encode() + body,
+              encode_call(TOKEN.encode(), "Lease", b"")]
+    for frame, says in zip(frames, ("c must be one of", "answers no Lease calls"), strict=True):
+        s = dial(node.port)
+        s.sendall(frame)
+        status, msg = answer(s)
+        assert status == STATUS_BAD_REQUEST and says in msg
+        assert closed(s)
