@@ -56,8 +56,8 @@ def num_threads() -> int:
 def cap_threads(limit: int | None) -> None:
     """Let at most ``limit`` threads (the caller included) work on one batch in this process
     (None: no cap). For a process whose cores its own compute threads hold, like an inference
-    engine on the CPU: helper threads there wait on those threads and on each other for the
-    GIL, and a read ran several times slower than on the calling thread alone."""
+    engine on the CPU, where helper threads only wait on those threads and on each other for
+    the GIL."""
     global _cap
     _cap = None if limit is None else max(1, limit)
 

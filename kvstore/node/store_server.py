@@ -72,14 +72,17 @@ class _Servicer(PutPath, pb_grpc.StoreNodeServicer):
             abort_with(context, exc)
         return grant
 
-    def _scope(self, request: pb.KeysRequest | pb.LeaseRequest, context: grpc.ServicerContext,
-               grant: Grant | None = None) -> ReadScope:
-        grant = grant or self.grant(context)
+    def _scope(self, request: pb.KeysRequest, context: grpc.ServicerContext) -> ReadScope:
         try:
-            return read_scope(grant, spec_of(request), self.s.roots, request.reader_node_id)
+            return self._read_scope(self.grant(context), request)
         except (PermissionDenied, ConfigError) as exc:
             abort_with(context, exc)
             raise  # unreachable
+
+    def _read_scope(self, grant: Grant, request: pb.KeysRequest | pb.LeaseRequest) -> ReadScope:
+        """What ``grant`` may read in the namespace ``request`` names (PermissionDenied,
+        ConfigError otherwise)."""
+        return read_scope(grant, spec_of(request), self.s.roots, request.reader_node_id)
 
     # -- data: Put and PutBatch are PutPath's (kvstore.node.put_path) ----------------
     def Get(self, request: pb.KeysRequest, context: grpc.ServicerContext) -> Iterator[pb.GetChunk]:
@@ -122,7 +125,7 @@ class _Servicer(PutPath, pb_grpc.StoreNodeServicer):
         KVStoreError (or ValueError: bad keys) that refuses it."""
         for wire_id in request.release_lease_ids:  # the reader's finished leases, first
             self._release(wire_id, grant)
-        scope = read_scope(grant, spec_of(request), self.s.roots, request.reader_node_id)
+        scope = self._read_scope(grant, request)
         keys = check_keys(request.keys)
         ttl = self.s.lease_ttl(request.ttl_s)
         if not grant.admin:
@@ -181,7 +184,7 @@ class _Servicer(PutPath, pb_grpc.StoreNodeServicer):
     def exists_for(self, grant: Grant, request: pb.KeysRequest) -> pb.ExistsResponse:
         """Which keys the caller may see here, by gRPC or the bulk channel; raises the
         KVStoreError that refuses the call."""
-        scope = read_scope(grant, spec_of(request), self.s.roots, request.reader_node_id)
+        scope = self._read_scope(grant, request)
         keys = list(request.keys)
         present, sizes = [], []
         for key, visible in zip(keys, self.s.visible(keys, scope.root), strict=True):

@@ -84,10 +84,9 @@ def new_rows(rows: int, nbytes: int) -> torch.Tensor:
 
 
 def touched_rows(rows: int, nbytes: int) -> torch.Tensor:
-    """``new_rows`` with every page faulted in now: a fresh buffer's first fill faulted its
-    huge pages in one by one inside the copy (~0.9 ms a 256 KiB block on the dev box, where
-    a block copies and verifies in 0.08 ms), so synchronous loads, which reuse one buffer, get
-    it touched before the first request and grow it twice over when a load outgrows it."""
+    """``new_rows`` with every page faulted in now, so no load pays for faulting its buffer's
+    pages in inside the copy (several times the copy's own cost); synchronous loads reuse one
+    such buffer, made before the first request and grown twice over when a load outgrows it."""
     buffer = new_rows(rows, nbytes)
     buffer.fill_(0)
     return buffer
@@ -190,8 +189,7 @@ class WorkerSide:
             self.layerwise = _on_cuda(self.layers[0].key.device)
         if self.layers and not _on_cuda(self.layers[0].key.device):
             # A read's copy and check go on the calling thread: in vLLM's process a helper
-            # thread bought nothing (16 blocks of 256 KiB: 1.3 ms on the caller alone, 1.4-2.0 ms
-            # with a helper, the caller waiting on the GIL for its one block)
+            # thread bought nothing (the caller waited on the GIL for its share)
             cap_threads(1)
             nbytes = block_nbytes(self.namespace_of(""))
             self._buffer = touched_rows(max(1, min(PRELOAD_ROWS, PRELOAD_BYTES // nbytes)),
