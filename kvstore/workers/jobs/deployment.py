@@ -221,6 +221,9 @@ class Deployment:
                 ray.get([actor.close.remote() for actor in actors], timeout=30)
             for actor in actors:
                 ray.kill(actor)
+            # The routers' store: its connections and its metrics pusher end with the
+            # deployment, and this process's last tallies go to its node while it is up.
+            self.store.close()
             if self.started_cluster:
                 lifecycle.stop(self.config)
             if self.started_ray:
