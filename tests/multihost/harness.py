@@ -120,6 +120,10 @@ def prepare_redis(cluster: RayCluster) -> None:
     cluster.redis_password = (cluster.secrets_dir / "redis_password").read_text().strip()
 
 
+#: Starts of a restarted Redis, each given 2 s to keep running (``restart_redis``).
+REDIS_START_TRIES = 5
+
+
 def start_redis(cluster: RayCluster) -> subprocess.Popen:
     """A private redis-server on the head host: TLS only, password from its conf, no
     persistence."""
@@ -134,7 +138,18 @@ def restart_redis(cluster: RayCluster) -> None:
     if cluster.redis is not None and cluster.redis.poll() is None:
         os.killpg(cluster.redis.pid, signal.SIGKILL)
         cluster.redis.wait(timeout=10)
-    cluster.redis = start_redis(cluster)
+    # The killed server's listening socket closes once the host's init has reaped it, which
+    # can be after nsenter's exit: a server started before then exits at once ("Address
+    # already in use"). One that is still running after a moment has its port.
+    for _ in range(REDIS_START_TRIES):
+        cluster.redis = start_redis(cluster)
+        try:
+            cluster.redis.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"redis-server exited at start {REDIS_START_TRIES} times: see "
+                       f"{cluster.logs / 'redis.log'}")
 
 
 def redis_ping(cluster: RayCluster) -> bool:
