@@ -43,9 +43,10 @@ def reference_block(cache: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def test_whole_layer_views_where_the_strides_allow() -> None:
-    assert layer_cache(cpu_cache(), H, D).rows is not None
-    assert layer_cache(flash_cache(), H, D).rows is not None
-    assert layer_cache(permuted_flash_cache(), H, D).rows is None
+    cpu = layer_cache(cpu_cache(), H, D)  # written by one strided copy per layer
+    assert cpu.blocks is not None and cpu.blocks.shape == (NB, H, 2, BS, D)
+    assert layer_cache(flash_cache(), H, D).rows is not None  # by the operator
+    assert layer_cache(permuted_flash_cache(), H, D).rows is None  # by it, block by block
 
 
 @MAKERS

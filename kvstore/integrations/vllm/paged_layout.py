@@ -11,10 +11,16 @@ ND layout of ``paged_cache_load``, and the same tensor as ``kv_cache_scatter``'s
   blocks to save), layer by layer, into block payloads;
 - loading writes fetched payloads back with ``kv_cache_scatter``, one call per layer (and side,
   where K and V are apart): the batch axis walks every run of rows the cache keeps together
-  (a block's ``block_size`` rows; on the CPU backend a (block, head)'s K rows and then its V
-  rows) over the span of blocks the load touches, the blocks being loaded get their whole run
-  (``seq_len`` = the run) and the others in the span nothing (``seq_len`` 0), so a load costs
-  one operator call per layer whatever its size, and never a pass over the whole cache.
+  (a block's ``block_size`` rows) over the span of blocks the load touches, the blocks being
+  loaded get their whole run (``seq_len`` = the run) and the others in the span nothing
+  (``seq_len`` 0), so a load costs one operator call per layer whatever its size, and never a
+  pass over the whole cache;
+- except on the CPU backend's layout, where a block's rows are per head, K then V, and a payload's
+  per position: the operator would first pack each layer's rows into its ``[tokens, hidden]``
+  form, a second copy of the whole load, so there each layer is written by one strided copy
+  over the cache's block axis (``index_copy_``): the same bytes in the same places, in one pass
+  (``tests/integrations/test_vllm_paged_layout.py`` checks both layouts against plain
+  indexing).
 
 Backends whose cache is in neither known layout are refused when the caches are registered,
 naming the shape seen, rather than read wrongly.
@@ -33,19 +39,15 @@ from kvstore.ops.operators import kv_cache_scatter, paged_cache_load
 
 @dataclass(frozen=True)
 class LayerCache:
-    """One attention layer's K and V, each ``[num_blocks, block_size, H, D]`` (views), and the
-    layer as ``kv_cache_scatter`` writes it (``rows``, ``None`` where the tensor's strides do
-    not allow that view: loads then take one call per block)."""
+    """One attention layer's K and V, each ``[num_blocks, block_size, H, D]`` (views), and how
+    loads write it: ``blocks``, the CPU layout as ``[num_blocks, H, 2, block_size, D]``; else
+    ``rows``, the layer as ``kv_cache_scatter`` writes it (``None`` where the tensor's strides
+    do not allow that view: loads then take one operator call per block)."""
 
     key: torch.Tensor
     value: torch.Tensor
     rows: torch.Tensor | None = None
-    sides_together: bool = False  # rows' runs hold a head's K rows, then its V rows (CPU)
-
-    @property
-    def runs_per_block(self) -> int:
-        """Runs of ``rows`` (sequences of ``past``) one vLLM block spans."""
-        return self.key.shape[2] if self.sides_together else 1
+    blocks: torch.Tensor | None = None
 
 
 def layer_cache(cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> LayerCache:
@@ -59,9 +61,8 @@ def layer_cache(cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> LayerC
     if cache.dim() == 4 and shape[1] == num_kv_heads and shape[3] == 2 * head_dim:
         nb, heads, bs, _ = shape
         kv = cache.view(nb, heads, 2, bs, head_dim)
-        rows = _view_or_none(cache, (1, nb * heads, 2 * bs, head_dim))
         return LayerCache(kv[:, :, 0].permute(0, 2, 1, 3), kv[:, :, 1].permute(0, 2, 1, 3),
-                          rows, sides_together=True)
+                          blocks=kv)
     if cache.dim() == 5 and shape[0] == 2 and shape[3:] == (num_kv_heads, head_dim):
         rows = _view_or_none(cache, (2, shape[1], shape[2], num_kv_heads * head_dim))
         return LayerCache(cache[0], cache[1], rows)
@@ -97,12 +98,14 @@ def gather_blocks(layers: Sequence[LayerCache], block_ids: Sequence[int]) -> tor
 
 @dataclass(frozen=True)
 class ScatterPlan:
-    """Where one load's payloads go, the same for every layer: the payloads in block order
-    (``order``) and ``kv_cache_scatter``'s ``token_offset``/``seq_len`` over the runs of the
-    span of blocks ``[first_block, first_block + num_blocks)`` the load touches (not the whole
-    cache: vLLM's holds thousands of blocks, and the operator reads every run it is given)."""
+    """Where one load's payloads go, the same for every layer: the block ids in payload order
+    (``ids``: the CPU layout's strided copy needs no more), the payloads in block order
+    (``order``) and ``kv_cache_scatter``'s ``token_offset``/``seq_len`` over the span of blocks
+    ``[first_block, first_block + num_blocks)`` the load touches (not the whole cache: vLLM's
+    holds thousands of blocks, and the operator reads every block it is given)."""
 
     block_ids: tuple[int, ...]
+    ids: torch.Tensor  # the block ids, in payload order
     order: torch.Tensor
     token_offset: torch.Tensor
     seq_len: torch.Tensor
@@ -122,12 +125,9 @@ def plan_scatter(layer: LayerCache, block_ids: Sequence[int]) -> ScatterPlan:
     order = torch.argsort(ids)
     first = min(block_ids, default=0)
     span = max(block_ids, default=-1) + 1 - first
-    runs = layer.runs_per_block
-    run_len = 2 * layer.key.shape[1] if layer.sides_together else layer.key.shape[1]
-    lens = torch.zeros((span, runs), dtype=torch.int64)
-    lens[ids - first] = run_len  # the loaded blocks' runs whole, the others untouched
-    lens = lens.view(-1)
-    return ScatterPlan(tuple(block_ids), order, lens.clone(), lens, first, span)
+    lens = torch.zeros(span, dtype=torch.int64)
+    lens[ids - first] = layer.key.shape[1]  # the loaded blocks' rows whole, the others none
+    return ScatterPlan(tuple(block_ids), ids, order, lens.clone(), lens, first, span)
 
 
 def scatter_layer(layer: LayerCache, index: int, plan: ScatterPlan,
@@ -135,19 +135,18 @@ def scatter_layer(layer: LayerCache, index: int, plan: ScatterPlan,
     """Write layer ``index`` of payloads ``[n, L, 2, block_size, H, D]`` into ``layer``."""
     if not plan.block_ids:
         return
+    if layer.blocks is not None:  # CPU: [n, 2, bs, H, D] -> [n, H, 2, bs, D], one strided copy
+        new_kv = payloads[:, index].permute(0, 3, 1, 2, 4)
+        layer.blocks.index_copy_(0, plan.ids.to(layer.blocks.device),
+                                 new_kv.to(layer.blocks.device, layer.blocks.dtype))
+        return
     if layer.rows is None:
         for side, cache in ((0, layer.key), (1, layer.value)):
             _scatter_side(cache, plan.block_ids, payloads[:, index, side])
         return
     order = plan.order.to(payloads.device)
     dtype, width, device = layer.rows.dtype, layer.rows.shape[-1], layer.rows.device
-    runs = layer.runs_per_block  # the span's runs: a view, as the whole layer's rows are
-    past = layer.rows.narrow(1, plan.first_block * runs, plan.num_blocks * runs)
-    if layer.sides_together:  # per (block, head): its K rows, then its V rows
-        new_kv = _in_block_order(payloads[:, index].permute(0, 3, 1, 2, 4), order)
-        kv_cache_scatter(past, new_kv.reshape(-1, width).to(device, dtype), 0,
-                         plan.token_offset, plan.seq_len)
-        return
+    past = layer.rows.narrow(1, plan.first_block, plan.num_blocks)  # the span, a view
     for side in (0, 1):  # K is the operator's layer 0, V its layer 1
         new_kv = _in_block_order(payloads[:, index, side], order)
         kv_cache_scatter(past, new_kv.reshape(-1, width).to(device, dtype), side,
