@@ -20,11 +20,17 @@ is compared with.
 ``bypass``, ``stop_cluster_after``) runs one after another on the same engine, vLLM's own
 prefix cache reset before each phase, so a test pays for one engine start, not one per phase;
 their results are printed as one list, in order.
+
+With ``KVSTORE_TIMELINE`` set, kvstore's connector is ``tools.vllm_timeline``'s timed one and
+each timed request is marked there (``python -m tools.vllm_timeline`` prints where its time
+went).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -48,9 +54,11 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
     if job.get("kv_transfer_config"):  # another connector (benchmarks/baselines/)
         kwargs["kv_transfer_config"] = job["kv_transfer_config"]
     elif job.get("role"):
+        timed = bool(os.environ.get("KVSTORE_TIMELINE"))
         kwargs["kv_transfer_config"] = {
-            "kv_connector": "KVStoreConnector",
-            "kv_connector_module_path": "kvstore.integrations.vllm",
+            "kv_connector": "TimedKVStoreConnector" if timed else "KVStoreConnector",
+            "kv_connector_module_path": "tools.vllm_timeline" if timed
+            else "kvstore.integrations.vllm",
             "kv_role": job["role"], "kv_connector_extra_config": job.get("extra", {})}
     llm = LLM(**kwargs)
     first = SamplingParams(max_tokens=1, temperature=0)
@@ -87,6 +95,8 @@ def _phase(llm: Any, job: dict[str, Any], phase: dict[str, Any]) -> list[dict[st
         t0 = time.perf_counter()
         [head] = llm.generate([request], first, use_tqdm=False)
         ttft = time.perf_counter() - t0
+        if os.environ.get("KVSTORE_TIMELINE"):  # tools is not a package mypy reads twice
+            importlib.import_module("tools.vllm_timeline").mark(f"prompt-{n}", t0, t0 + ttft)
         [out] = llm.generate([request], params, use_tqdm=False)
         results.append(_result(out, ttft, head.num_cached_tokens))
         if n == phase.get("stop_cluster_after"):
