@@ -222,8 +222,10 @@ class Deployment:
             for actor in actors:
                 ray.kill(actor)
             # The routers' store: its connections and its metrics pusher end with the
-            # deployment, and this process's last tallies go to its node while it is up.
-            self.store.close()
+            # deployment, and this process's last tallies go to its node while it is up (a
+            # cluster already gone loses them, never the stop below).
+            with contextlib.suppress(Exception):
+                self.store.close()
             if self.started_cluster:
                 lifecycle.stop(self.config)
             if self.started_ray:
