@@ -13,20 +13,17 @@ and print each marked request's calls relative to its start::
 
     python -m tools.vllm_timeline /tmp/kvstore-vllm-timeline.log
 
-It is how the warm request of ``bench_vllm`` was taken apart (README, "With vLLM").
+A missing file, or one with no marked request, is a one-line error (exit 2).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
-
-from kvstore.integrations.vllm import worker_side
-from kvstore.integrations.vllm.connector import KVStoreConnector
 
 DEFAULT_LOG = "/tmp/kvstore-vllm-timeline.log"
 #: vLLM's connector calls, logged by name.
@@ -64,20 +61,32 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-class TimedKVStoreConnector(KVStoreConnector):
-    """``KVStoreConnector`` whose calls are logged to the timeline."""
+def _timed_connector() -> type:
+    """``KVStoreConnector`` whose calls are logged to the timeline; made on first use, so the
+    summary (``main``) never imports vLLM."""
+    from kvstore.integrations.vllm import worker_side
+    from kvstore.integrations.vllm.connector import KVStoreConnector
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        side = self.worker_side
-        if side is not None:  # the worker's fetch, inside start_load_kv
-            side._fetch_step = timed("  fetch", side._fetch_step)  # type: ignore[method-assign]
+    class TimedKVStoreConnector(KVStoreConnector):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            side = self.worker_side
+            if side is not None:  # the worker's fetch, inside start_load_kv
+                side._fetch_step = timed("fetch", side._fetch_step)  # type: ignore[method-assign]
+
+    for hook in HOOKS:
+        setattr(TimedKVStoreConnector, hook, timed(hook, getattr(KVStoreConnector, hook)))
+    # The writes into vLLM's cache, inside start_load_kv (once: every connector's).
+    worker_side.scatter_blocks = timed("write", worker_side.scatter_blocks)
+    return TimedKVStoreConnector
 
 
-for _hook in HOOKS:
-    setattr(TimedKVStoreConnector, _hook, timed(_hook, getattr(KVStoreConnector, _hook)))
-# The writes into vLLM's cache, inside start_load_kv (once, at import: every connector's).
-worker_side.scatter_blocks = timed("  write", worker_side.scatter_blocks)
+def __getattr__(name: str) -> Any:
+    """``TimedKVStoreConnector``, as vLLM loads a connector: by name from this module."""
+    if name == "TimedKVStoreConnector":
+        cls = globals()[name] = _timed_connector()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def summarize(lines: list[str], *, layers: bool = False) -> str:
@@ -98,11 +107,21 @@ def summarize(lines: list[str], *, layers: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    layers = "--layers" in args
-    paths = [a for a in args if a != "--layers"] or [log_path()]
-    with open(paths[0]) as f:
-        print(summarize(f.readlines(), layers=layers))
+    parser = argparse.ArgumentParser(prog="python -m tools.vllm_timeline",
+                                     description="Each marked request's connector calls.")
+    parser.add_argument("path", nargs="?", default=log_path(),
+                        help="the timeline (default: $KVSTORE_TIMELINE, else %(default)s)")
+    parser.add_argument("--layers", action="store_true", help="list per-layer calls too")
+    args = parser.parse_args(argv)
+    try:
+        with open(args.path) as f:
+            text = summarize(f.readlines(), layers=args.layers)
+    except OSError as exc:
+        parser.exit(2, f"vllm_timeline: error: cannot read {args.path}: {exc.strerror}\n")
+    if not text:
+        parser.exit(2, f"vllm_timeline: error: no marked request in {args.path} (run "
+                       "benchmarks.vllm_instance with KVSTORE_TIMELINE set, or call mark)\n")
+    print(text)
 
 
 if __name__ == "__main__":

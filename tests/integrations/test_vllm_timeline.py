@@ -64,3 +64,14 @@ def test_marks_and_calls_from_one_process_summarize(timeline: Path,
     vllm_timeline.main([str(timeline)])
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "cold: 11.00 ms" and "start_load_kv" in out[1]
+
+
+def test_a_missing_or_unmarked_timeline_is_one_line_and_exit_2(
+        timeline: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for setup in (lambda: None, lambda: vllm_timeline.record("start_load_kv", 5.0, 5.002)):
+        setup()
+        with pytest.raises(SystemExit) as exited:
+            vllm_timeline.main([str(timeline)])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("vllm_timeline: error:")
