@@ -4,7 +4,8 @@ A random model shaped like Llama-3-8B (32 layers, 8 KV heads, head dim 128, bf16
 ``llama3-8b`` preset, built on the GPU), prompts of 4k and 16k tokens in chunks of 512, blocks
 of 16 tokens (2 MiB each). One run measures:
 
-- cold TTFT: the prompt computed from scratch (its blocks published behind it);
+- cold TTFT: the prompt computed from scratch, the best of one run through the store (its
+  blocks published behind it) and a few without one;
 - publish: the request thread's share (a block-major copy on the device) and how long the
   background publisher took to put everything in the store node;
 - warm TTFT through a store node in another process, read on the same node (leased arena
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -101,6 +102,17 @@ def ttft(engine: Engine, tokens: list[int], request_id: str) -> PrefillResult:
     return pre
 
 
+def only(node: NodeAddress) -> Callable[[str], NodeAddress]:
+    """A directory of the one node: the remote reader's own node id resolves to nothing, so
+    it reads over the bulk channel (resolving any id to the node would make the reader's own
+    lookup find the node's arena under its name)."""
+    def resolve(node_id: str) -> NodeAddress:
+        if node_id != node.node_id:
+            raise KeyError(f"no node {node_id!r} in this bench")
+        return node
+    return resolve
+
+
 def measure_prompt(model: CausalLM, config: WorkerConfig, node: NodeAddress, num_tokens: int,
                    repeats: int, salt: str) -> dict[str, Any]:
     """Cold, publish, warm (same node, bulk) and floor for one prompt length.
@@ -116,8 +128,7 @@ def measure_prompt(model: CausalLM, config: WorkerConfig, node: NodeAddress, num
                            generator=torch.Generator().manual_seed(num_tokens)).tolist()
     index = InMemoryIndex()
     client = ClientConfig(timeout_s=300)
-    stores = {name: ClusterStore(node.node_id, index, lambda _n: node, client,
-                                 local_node_id=reader)
+    stores = {name: ClusterStore(node.node_id, index, only(node), client, local_node_id=reader)
               for name, reader in (("samenode", node.node_id), ("remote", "another-node"))}
     t0 = time.perf_counter()
     out: dict[str, Any] = {"dma_path": stores["samenode"].prepare_device_reads(device,
@@ -150,7 +161,11 @@ def _measure(model: CausalLM, cfg: WorkerConfig, stores: dict[str, ClusterStore]
     index.publish([
         IndexEntry(k, node_id, block_nbytes(writer.namespace), p, writer.namespace.root)
         for k, p in zip(keys, [writer.namespace.root, *keys[:-1]], strict=True)])
-    out: dict[str, Any] = {"cold_ttft_s": cold.ttft_s,
+    # Cold is computed once through the store (its blocks are what the warm runs read) and
+    # ``repeats`` times more without one (the same arithmetic, a lookup's miss less): the best.
+    colds = [ttft(reference, tokens, f"cold-{i}").ttft_s for i in range(repeats)]
+    out: dict[str, Any] = {"cold_ttft_s": min([cold.ttft_s, *colds]),
+                           "cold_store_ttft_s": cold.ttft_s,
                            "publish_request_thread_s": cold.timings["publish_s"],
                            "publish_background_s": background_publish}
     equal = cold.logits is not None and torch.equal(cold.logits, ref_logits)
@@ -279,7 +294,8 @@ def main() -> None:
     for n in lengths:
         label = f"{n // 1024}k" if gpu else str(n)
         rows += [
-            (f"{label}: cold TTFT (ms)", f"{figures[f'cold_ttft_s_{label}'] * 1e3:.1f}", ""),
+            (f"{label}: cold TTFT, best (ms)", f"{figures[f'cold_ttft_s_{label}'] * 1e3:.1f}",
+             f"the one through the store {figures[f'cold_store_ttft_s_{label}'] * 1e3:.1f}"),
             (f"{label}: warm TTFT same node (ms)",
              f"{figures[f'warm_ttft_samenode_s_{label}'] * 1e3:.1f}",
              f"cold/warm {figures[f'ratio_cold_vs_warm_ttft_{label}']:.1f}x"),

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU check in one go, on a machine with a CUDA device (about 2 minutes on an H200):
 # the facts the GPU path relies on (tools/gpu_diagnose.py), bench_gpu at 4k and 16k tokens with
-# the operator ratios, then every test marked gpu. Each step writes its log and JSON to $OUT
+# the operator ratios, where a warm request's time goes (tools/gpu_breakdown.py), then every test
+# marked gpu. Each step writes its log and JSON to $OUT
 # (default /tmp/kvstore-gpu); a step that fails or runs past its limit does not stop the next,
 # and the script exits 1 naming the failed steps.
-# DIAGNOSE_S, BENCH_S, PYTEST_S set each step's limit in seconds (0 skips it).
+# DIAGNOSE_S, BENCH_S, BREAKDOWN_S, PYTEST_S set each step's limit in seconds (0 skips it).
 #
 #   bash tools/gpu_check.sh            # from the repository root
 #
@@ -49,8 +50,10 @@ failed=()
 
 step diagnose "${DIAGNOSE_S:-60}" "$PY" -m tools.gpu_diagnose --json "$OUT/diagnose.json"
 step bench_gpu "${BENCH_S:-200}" "$PY" -m benchmarks.bench_gpu --json "$OUT/bench_gpu.json"
+step breakdown "${BREAKDOWN_S:-120}" "$PY" -m tools.gpu_breakdown --json "$OUT/breakdown.json"
 step pytest_gpu "${PYTEST_S:-120}" "$PY" -m pytest -p no:cacheprovider -q -m gpu -rfE \
   tests/ops/test_operators_gpu.py tests/workers/engine/test_engine_gpu.py tests/client/test_device_reads.py \
+  tests/client/test_device_checksum.py \
   tests/client/test_cluster_store_device.py tests/workers/engine/test_engine_nodes.py
 if [ "${#failed[@]}" -gt 0 ]; then
   echo "gpu_check: failed: ${failed[*]} (logs in $OUT)" >&2
