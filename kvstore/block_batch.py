@@ -165,25 +165,7 @@ def verify_blocks(rows: np.ndarray, namespace: Namespace, keys: Sequence[bytes],
                 for row, key, tok in zip(rows, keys, tokens, strict=True)]
     if not rows.flags.c_contiguous:
         rows = np.ascontiguousarray(rows)  # same bytes, so the same verdicts; rows hash flat
-    if set(map(len, keys)) == {KEY_NBYTES}:
-        ok, joined = np.ones(n, dtype=bool), b"".join(keys)
-    else:  # a key of another length fails verify_block's key compare: those rows fall back
-        ok = np.array([len(k) == KEY_NBYTES for k in keys])
-        joined = b"".join(k if fit else bytes(KEY_NBYTES) for k, fit in zip(keys, ok, strict=True))
-    cols, want = _fixed_columns(namespace)
-    ok &= (rows[:, cols] == want).all(axis=1)
-    if token_ids is not None:
-        ok &= _tokens_match(rows[:, t.token_ids], tokens, namespace.block_size)
-    key_col = rows[:, t.key]
-    if key_col.tobytes() != joined:
-        ok &= (key_col == np.frombuffer(joined, dtype=np.uint8).reshape(n, KEY_NBYTES)).all(1)
-    # The key is sha256(parent || tokens): hash each row of one [n, 32 + 8 * block_size] copy.
-    chain = np.concatenate((rows[:, t.parent_key], rows[:, t.token_ids]), axis=1)
-    width = chain.shape[1]
-    flat = memoryview(chain.reshape(-1))  # type: ignore[arg-type]
-    sha256 = hashlib.sha256
-    _digests_match([sha256(flat[i * width : (i + 1) * width]).digest() for i in range(n)],
-                   joined, KEY_NBYTES, ok)
+    ok, joined = _canonical_headers(rows, namespace, keys, tokens, token_ids is not None)
     # The tag (xxh3-64, or the MAC bound to the row's key) of each payload, hashed in place.
     # A row whose key column is not its requested key has ok False already; its tag is then
     # computed under the requested key, which can only fail it again.
@@ -195,6 +177,53 @@ def verify_blocks(rows: np.ndarray, namespace: Namespace, keys: Sequence[bytes],
     for i in np.flatnonzero(~ok).tolist():
         out[i] = _verdict(rows[i], namespace, keys[i], tokens[i])
     return out
+
+
+def canonical_headers(heads: np.ndarray, namespace: Namespace, keys: Sequence[bytes],
+                      token_ids: Sequence[Any] | None = None) -> np.ndarray:
+    """Per row of ``heads`` (each block's bytes up to its payload, ``[n, payload_offset]``
+    uint8), whether the header is the canonical one for its key (and ``token_ids``, a
+    reader's), its parent and tokens chaining to the key: ``verify_block``'s checks but the
+    payload's tag, for a reader that checks the tag elsewhere (on the device). A False row is
+    not necessarily bad: ``verify_block(..., verify_checksum=False)`` gives its verdict."""
+    keys = keys if isinstance(keys, list) else list(keys)
+    n = len(heads)
+    if n == 0 or n != len(keys) or heads.ndim != 2 or heads.dtype != np.uint8 \
+            or heads.shape[1] != len(_template(namespace).prefix) \
+            or set(map(type, keys)) != {bytes}:
+        return np.zeros(n, dtype=bool)
+    tokens: list[Any] = [None] * n if token_ids is None else list(token_ids)
+    return _canonical_headers(np.ascontiguousarray(heads), namespace, keys, tokens,
+                              token_ids is not None)[0]
+
+
+def _canonical_headers(rows: np.ndarray, namespace: Namespace, keys: list[bytes],
+                       tokens: list[Any], check_tokens: bool) -> tuple[np.ndarray, bytes]:
+    """Which C-contiguous ``rows`` start with their key's canonical header (the template's
+    fixed columns, the key, the tokens asked for, sha256(parent || tokens) == key), and the
+    keys joined."""
+    n = len(rows)
+    t = _template(namespace)
+    if set(map(len, keys)) == {KEY_NBYTES}:
+        ok, joined = np.ones(n, dtype=bool), b"".join(keys)
+    else:  # a key of another length fails verify_block's key compare: those rows fall back
+        ok = np.array([len(k) == KEY_NBYTES for k in keys])
+        joined = b"".join(k if fit else bytes(KEY_NBYTES) for k, fit in zip(keys, ok, strict=True))
+    cols, want = _fixed_columns(namespace)
+    ok &= (rows[:, cols] == want).all(axis=1)
+    if check_tokens:
+        ok &= _tokens_match(rows[:, t.token_ids], tokens, namespace.block_size)
+    key_col = rows[:, t.key]
+    if key_col.tobytes() != joined:
+        ok &= (key_col == np.frombuffer(joined, dtype=np.uint8).reshape(n, KEY_NBYTES)).all(1)
+    # The key is sha256(parent || tokens): hash each row of one [n, 32 + 8 * block_size] copy.
+    chain = np.concatenate((rows[:, t.parent_key], rows[:, t.token_ids]), axis=1)
+    width = chain.shape[1]
+    flat = memoryview(chain.reshape(-1))  # type: ignore[arg-type]
+    sha256 = hashlib.sha256
+    _digests_match([sha256(flat[i * width : (i + 1) * width]).digest() for i in range(n)],
+                   joined, KEY_NBYTES, ok)
+    return ok, joined
 
 
 def _tokens_match(token_cols: np.ndarray, tokens: list[Any], block_size: int) -> np.ndarray:

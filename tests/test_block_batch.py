@@ -278,3 +278,42 @@ def test_batch_verify_checks_the_readers_tokens_as_the_one_block_check(
         assert any(isinstance(v, tuple) for v in got)
     with pytest.raises(ValueError, match="7 token lists for 8 blocks"):
         verify_blocks(rows, ns, keys, asked[:7])
+
+
+@pytest.mark.parametrize("ns", NAMESPACES, ids=ns_id)
+def test_canonical_headers_pass_only_headers_the_one_block_check_passes(ns: Namespace) -> None:
+    """``canonical_headers`` (a reader whose payload tags are checked on the device): a row it
+    passes is one ``verify_block(..., verify_checksum=False)`` passes, whatever its payload."""
+    from kvstore.block_batch import canonical_headers
+
+    n = 24
+    keys, parents, tokens, payloads = make_batch(ns, n, seed=11)
+    rows = np.empty((n, block_nbytes(ns)), dtype=np.uint8)
+    encode_blocks_into(rows, ns, keys, parents, tokens, payloads)
+    width = payload_offset(ns)
+    assert canonical_headers(rows[:, :width], ns, keys, tokens).all()
+    assert canonical_headers(rows[:, :width], ns, keys).all()  # tokens not asked
+    rng = np.random.default_rng(5)
+    bad = rows.copy()
+    for i in range(0, n - 4, 2):  # a flipped bit somewhere in every other header
+        pos = int(rng.integers(0, width))
+        bad[i, pos] ^= 1 << int(rng.integers(0, 8))
+    bad[n - 3, -1] ^= 0xFF  # a damaged payload: the header still passes
+    asked = [list(t) for t in tokens]
+    asked[n - 2] = [t + 1 for t in asked[n - 2]]  # other tokens asked
+    got = canonical_headers(bad[:, :width], ns, keys, asked)
+    for i in range(n):
+        try:
+            verify_block(bad[i], ns, keys[i], asked[i], verify_checksum=False)
+            passes = True
+        except (BlockCorrupted, BlockMismatch, NamespaceMismatch):
+            passes = False
+        assert not got[i] or passes, i  # never passes what the full check refuses
+    assert got[n - 3] and not got[n - 2] and got[n - 1]
+    tag = np.zeros(width, dtype=bool)
+    tag[_template(ns).checksum] = True  # a damaged tag is the payload check's to catch
+    for i in range(0, n - 4, 2):
+        damaged = bad[i, :width] != rows[i, :width]
+        assert got[i] == (not damaged[~tag].any()), i
+    assert canonical_headers(rows[:0, :width], ns, []).size == 0
+    assert not canonical_headers(rows[:, :width - 8], ns, keys).any()  # not a header's width

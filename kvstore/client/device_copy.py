@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from kvstore.client import device_checksum
 from kvstore.constants import align_up
 from kvstore.keys import Namespace
 
@@ -145,6 +146,14 @@ class DeviceRows:
         if self.early is not None:
             self.early.offer(rows, self.mark())
 
+    def checksums(self, rows: Sequence[int], offset: int, nbytes: int) -> np.ndarray:
+        """XXH3-64 of ``nbytes`` at ``offset`` in each of ``rows``, computed where the rows are,
+        behind every copy issued so far (``kvstore.client.device_checksum``), on the host."""
+        if self._stream is None:
+            return device_checksum.checksums(self.dst, rows, offset, nbytes)
+        with torch.cuda.stream(self._stream):
+            return device_checksum.checksums(self.dst, rows, offset, nbytes)
+
     def zero(self, rows: Sequence[int]) -> None:
         """Zero rows whose block was not fetched: bytes that failed verification (a DMA may
         have written them before the verdict) are never left where a caller could read them."""
@@ -197,8 +206,14 @@ class EarlyRows:
     and a mark to order its device work after them, or nothing once the fetch is over.
     """
 
+    #: How long a read waits, after offering rows, for the caller to take them before it goes
+    #: on checking headers: the caller needs the GIL for a moment to take them, and a reader
+    #: busy in Python would keep it for a whole switch interval.
+    TAKE_WAIT_S = 0.05
+
     def __init__(self) -> None:
         self._ready = threading.Event()
+        self._taken = threading.Event()
         self._lock = threading.Lock()
         self.rows: frozenset[int] = frozenset()
         self.mark: Any = None
@@ -213,6 +228,14 @@ class EarlyRows:
     def close(self) -> None:
         """The fetch is over: a waiter stops waiting for an offer."""
         self._ready.set()
+
+    def took(self) -> None:
+        """The caller has taken the offered rows (``EarlyFetch.leading``)."""
+        self._taken.set()
+
+    def wait_taken(self) -> None:
+        """Give the caller a moment to take the offered rows (bounded by ``TAKE_WAIT_S``)."""
+        self._taken.wait(self.TAKE_WAIT_S)
 
     def wait(self, timeout: float | None = None) -> tuple[frozenset[int], Any]:
         self._ready.wait(timeout)

@@ -5,7 +5,10 @@ Which way a block travels::
     same node, blocks > SMALL_BLOCK_BYTES, arena page-locked (or a CPU target): direct
         CUDA: each run of adjacent leased blocks arena -> device rows in one async copy on
               the side stream, all issued first
-        meanwhile on the verify pool: verify_block over the same leased arena bytes
+        meanwhile on the host: each header checked against the request (unkeyed namespaces,
+              Triton at hand: kvstore.client.device_checksum then hashes the payloads on the
+              device, behind the copies, in one kernel); else verify_block over the same
+              leased arena bytes on the verify pool
         CPU:  per block on the verify pool: verify_block, then copy the block to its row
         wait for the copies; zero the rows of rejected blocks; the caller re-checks the lease
     same node, small blocks, or an arena the driver would not (or not yet) page-lock: staged
@@ -31,7 +34,9 @@ from typing import Any
 import torch
 
 from kvstore import metrics
-from kvstore.block import block_nbytes, payload_offset, verify_block
+from kvstore.block import _template, block_nbytes, payload_offset, verify_block
+from kvstore.block_batch import canonical_headers
+from kvstore.client import device_checksum
 from kvstore.client.device_copy import DeviceRows, StagingPool
 from kvstore.client.shm_reader import (
     ShmReader,
@@ -137,6 +142,7 @@ def _direct(reader: ShmReader, locs: list[BlockLocation | None], keys: list[byte
     # Rows of whole blocks take runs of adjacent blocks in one copy; rows of payloads only
     # (payload_offset 0) take each block's payload.
     skip = 0 if sink.payload_offset else payload_offset(namespace)
+    on_device = early and _checks_on_device(namespace, sink)
 
     def one(j: int) -> Any:
         keep_alive()
@@ -161,14 +167,92 @@ def _direct(reader: ShmReader, locs: list[BlockLocation | None], keys: list[byte
                 sink.copy_run(rows[first], reader.tensor(
                     loc.offset + skip, (count - 1) * sink.row_stride + nbytes - skip))
             sink.issued([rows[j] for first, count in runs for j in range(first, first + count)])
-        verdicts = parallel_map(one, len(keys),
-                                nbytes=sum(loc.nbytes for loc in locs if loc is not None),
-                                max_threads=EARLY_VERIFY_THREADS if sink.early else None)
+            if sink.early is not None:
+                sink.early.wait_taken()  # the caller starts computing before we check
+        verdicts: list[Any] | None = None
+        if on_device:
+            keep_alive()
+            verdicts, digests = _check_headers(reader, locs, keys, tokens, namespace)
+            if digests and not _device_verdicts(sink, rows, keys, digests, namespace, verdicts):
+                verdicts = None  # the kernel failed (said once in the log): check here
+        if verdicts is None:
+            verdicts = parallel_map(one, len(keys),
+                                    nbytes=sum(loc.nbytes for loc in locs if loc is not None),
+                                    max_threads=EARLY_VERIFY_THREADS if sink.early else None)
         if early:
             sink.zero([rows[j] for j, v in enumerate(verdicts) if isinstance(v, Exception)])
     finally:
         sink.wait()  # nothing reads the arena once the caller may release the lease
     return verdicts
+
+
+def _checks_on_device(namespace: Namespace, sink: DeviceRows) -> bool:
+    """Whether the payload checksums of a direct read are checked on its device: unkeyed
+    blocks (a MAC needs the tenant's key, on the host), rows of whole blocks, payloads the
+    kernel takes."""
+    size = namespace.payload_nbytes
+    return (not namespace.keyed and sink.payload_offset % 8 == 0 and sink.row_stride % 8 == 0
+            and size >= device_checksum.MIN_BYTES and size % 8 == 0
+            and device_checksum.usable(sink.device))
+
+
+def _check_headers(reader: ShmReader, locs: list[BlockLocation | None], keys: list[bytes],
+                   tokens: Sequence[Any], namespace: Namespace
+                   ) -> tuple[list[Any], dict[int, bytes]]:
+    """Every leased block's header checked against the request on the host, all at once
+    (``canonical_headers``; one by one only where that is unsure), payloads left to the
+    device: per block its size (pending its payload's check), its rejection, or None; and the
+    payload checksums the good headers carry, by block."""
+    verdicts: list[Any] = [None] * len(keys)
+    nbytes = block_nbytes(namespace)
+    held = [j for j, loc in enumerate(locs) if loc is not None]
+    sizes_ok = [j for j in held if locs[j].nbytes == nbytes]  # type: ignore[union-attr]
+    for j in set(held) - set(sizes_ok):  # not copied (``_runs``): never offered as good
+        verdicts[j] = BlockCorrupted(f"block {keys[j].hex()[:16]} is "
+                                     f"{locs[j].nbytes} bytes, not {nbytes}")  # type: ignore
+    width = payload_offset(namespace)
+    heads = reader.heads([locs[j] for j in sizes_ok], width)  # type: ignore[misc]
+    asked = [tokens[j] for j in sizes_ok]
+    ok = canonical_headers(heads, namespace, [keys[j] for j in sizes_ok],
+                           None if all(t is None for t in asked) else asked)
+    tag = _template(namespace).checksum
+    digests: dict[int, bytes] = {}
+    for i, j in enumerate(sizes_ok):
+        if ok[i]:
+            digests[j] = heads[i, tag].tobytes()
+            verdicts[j] = locs[j].nbytes  # type: ignore[union-attr]
+    for j in sizes_ok:
+        if j in digests:
+            continue
+        loc = locs[j]
+        assert loc is not None
+        try:
+            header = verify_block(reader.view(loc.offset, loc.nbytes), namespace, keys[j],
+                                  tokens[j], verify_checksum=False)
+        except (BlockCorrupted, BlockMismatch) as exc:
+            verdicts[j] = detached(exc)
+            continue
+        digests[j] = header.checksum
+        verdicts[j] = loc.nbytes
+    return verdicts, digests
+
+
+def _device_verdicts(sink: DeviceRows, rows: Sequence[int], keys: list[bytes],
+                     digests: dict[int, bytes], namespace: Namespace, verdicts: list[Any]) -> bool:
+    """Check the payloads of blocks ``digests`` names (their headers passed) on the device
+    against the checksums their headers carry; a mismatch becomes the block's rejection in
+    ``verdicts``. False if the kernel could not run (nothing was decided)."""
+    order = sorted(digests)
+    try:
+        sums = sink.checksums([rows[j] for j in order], sink.payload_offset,
+                              namespace.payload_nbytes)
+    except Exception as exc:  # a Triton or driver that cannot run the kernel
+        device_checksum.disable(exc)
+        return False
+    for j, got in zip(order, sums.tolist(), strict=True):
+        if got.to_bytes(8, "big") != digests[j]:
+            verdicts[j] = BlockCorrupted(f"block {keys[j].hex()[:16]} payload checksum mismatch")
+    return True
 
 
 def staged_into_device(land: Land, num_blocks: int, namespace: Namespace, sink: DeviceRows,

@@ -72,7 +72,9 @@ class EarlyFetch:
             n += 1
         if mark is not None:  # CUDA: the caller's work waits on the GPU, not the host
             torch.cuda.current_stream(self.sink.device).wait_event(mark)
-        return list(self.sink.payloads(self.namespace)[:n]), False
+        payloads = list(self.sink.payloads(self.namespace)[:n])
+        self.early.took()
+        return payloads, False
 
     def result(self) -> list[FetchedBlock | Miss]:
         """Every key's final outcome (as ``batch_get``'s), once verification is done; raises

@@ -24,7 +24,7 @@ import torch
 
 from kvstore.block import BlockHeader, block_nbytes, payload_offset, tag_hasher, verify_block
 from kvstore.block_batch import verify_blocks
-from kvstore.client import device_copy
+from kvstore.client import device_checksum, device_copy
 from kvstore.client.verify_pool import parallel_map
 from kvstore.errors import BlockCorrupted, BlockMismatch
 from kvstore.keys import Namespace
@@ -143,6 +143,8 @@ class ShmReader:
         # private mapping would pin copy-on-write pages that never see the node's writes.
         pinned = device_copy.register_host(self._arr.ctypes.data, self.size,
                                            f"pool arena {self.path}", device)
+        if pinned and device is not None:  # direct reads check payloads there: compile it now
+            device_checksum.warm_up(device)
         with self._lock:
             self._pinned, self._pin_device = pinned, device
 
@@ -170,6 +172,16 @@ class ShmReader:
         arr = self._arr
         for row, loc in zip(out, locations, strict=True):
             row[:] = arr[loc.offset : loc.offset + width]
+
+    def heads(self, locations: Sequence[BlockLocation], width: int) -> np.ndarray:
+        """The first ``width`` bytes of each block, as one ``[len(locations), width]`` uint8
+        copy (one gather: the headers of a batch, checked together)."""
+        offsets = np.fromiter((loc.offset for loc in locations), dtype=np.int64,
+                              count=len(locations))
+        if len(offsets) and (offsets.min() < 0 or offsets.max() + width > self.size or any(
+                loc.nbytes < width for loc in locations)):
+            raise ValueError(f"a block's first {width} bytes lie outside the arena or the block")
+        return self._arr[offsets[:, None] + np.arange(width, dtype=np.int64)]
 
     def read(self, location: BlockLocation) -> bytearray:
         """A copy of one block's bytes in a new buffer."""

@@ -13,7 +13,7 @@ import torch
 
 from kvstore.api import MISS_CORRUPTED, FetchedBlock, Miss
 from kvstore.block import block_nbytes, payload_offset
-from kvstore.client.device_copy import DeviceRows
+from kvstore.client.device_copy import DeviceRows, EarlyRows
 from kvstore.client.early_fetch import EarlyFetch
 from kvstore.errors import NodeUnavailable
 from kvstore.keys import Namespace
@@ -73,3 +73,27 @@ def test_a_failed_read_raises_from_result_and_offers_nothing() -> None:
     assert fetch.leading() == ([], True)
     with pytest.raises(NodeUnavailable, match="gone"):
         fetch.result()
+
+
+def test_a_read_lets_the_caller_take_its_rows_before_it_goes_on(monkeypatch) -> None:
+    """After offering rows, the read waits (bounded) until the caller has taken them: a read
+    busy in Python would otherwise hold the GIL the caller needs to start computing."""
+    took: list[bool] = []
+
+    def read(ns, keys, tokens, sink):
+        sink.issued([0, 1])
+        sink.early.wait_taken()
+        took.append(sink.early._taken.is_set())
+        return [FetchedBlock(k, p, "n1") for k, p in zip(keys, sink.payloads(ns), strict=True)]
+
+    keys = [bytes([i]) * 32 for i in range(2)]
+    fetch = EarlyFetch(read, NS, keys, [[0]] * 2, rows(2))
+    payloads, verified = fetch.leading()
+    assert len(payloads) == 2 and not verified
+    fetch.result()
+    assert took == [True], "the read went on once the rows were taken"
+    monkeypatch.setattr(EarlyRows, "TAKE_WAIT_S", 0.01)
+    alone = EarlyRows()
+    alone.offer([0], None)
+    alone.wait_taken()  # nobody takes them: the read goes on after TAKE_WAIT_S
+    assert not alone._taken.is_set()
