@@ -29,6 +29,7 @@ from kvstore.client.replies import (
     NodeStats,
     PutResult,
     blocks_of_get_stream,
+    lease_info,
 )
 from kvstore.client.shm_reader import byte_view
 from kvstore.client.verify_pool import verify_landed
@@ -380,7 +381,8 @@ class StoreNodeClient:
         request = pb.LeaseRequest(
             keys=list(keys), ttl_s=ttl_s, reader_node_id=self.reader_node_id,
             release_lease_ids=done, accept_files=files and self.same_node,
-            namespace=None if namespace is None else spec_from_namespace(namespace))
+            namespace=None if namespace is None else spec_from_namespace(namespace),
+            packed=True)
         try:
             resp = self._bulk_call("Lease", request, pb.LeaseResponse)
             if resp is None:
@@ -388,8 +390,7 @@ class StoreNodeClient:
         except BaseException:
             self._releases.put_back(done)
             raise
-        where = [BlockLocation(loc.key, loc.offset, loc.nbytes, loc.file) for loc in resp.locations]
-        return LeaseInfo(resp.lease_id, where, list(resp.missing), resp.expires_at, resp.shm_path)
+        return lease_info(resp)
 
     def renew(self, lease_id: str, ttl_s: float) -> float:
         """Extend a lease; returns its new wall-clock expiry. LeaseExpired if it already ended."""

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.constants import KEY_NBYTES
 from kvstore.errors import NodeUnavailable
 from kvstore.node.block_pool import BlockLocation
 
@@ -20,6 +21,19 @@ class LeaseInfo:
     missing: list[bytes]
     expires_at: float
     shm_path: str
+
+
+def lease_info(resp: Any) -> LeaseInfo:
+    """A ``LeaseResponse`` as plain data: the blocks it lists one message each (files, or all
+    of them from a node that does not pack), then the arena's blocks it packed into columns."""
+    where = [BlockLocation(loc.key, loc.offset, loc.nbytes, loc.file) for loc in resp.locations]
+    if resp.offsets:
+        held, n = resp.held_keys, KEY_NBYTES
+        if len(held) != n * len(resp.offsets) or len(resp.sizes) != len(resp.offsets):
+            raise NodeUnavailable("a lease reply's packed blocks do not line up")
+        where += [BlockLocation(held[i * n:(i + 1) * n], offset, size)
+                  for i, (offset, size) in enumerate(zip(resp.offsets, resp.sizes, strict=True))]
+    return LeaseInfo(resp.lease_id, where, list(resp.missing), resp.expires_at, resp.shm_path)
 
 
 @dataclass(slots=True)

@@ -139,10 +139,17 @@ class _Servicer(PutPath, pb_grpc.StoreNodeServicer):
         got = {loc.key for loc in lease.locations}
         metrics.record_served("shm", len(got), sum(loc.nbytes for loc in lease.locations))
         self.s.record_reads([k for k in keys if k in got], scope.reader_node_id)
+        # Packed: the arena's blocks as three columns, the files (if any) as messages.
+        arena = [loc for loc in lease.locations if not loc.path] if request.packed else []
+        listed = [loc for loc in lease.locations if loc.path] if request.packed \
+            else lease.locations
         return pb.LeaseResponse(
             lease_id=lease_id,
             locations=[pb.BlockLocation(key=loc.key, offset=loc.offset, nbytes=loc.nbytes,
-                                        file=loc.path) for loc in lease.locations],
+                                        file=loc.path) for loc in listed],
+            held_keys=b"".join(loc.key for loc in arena),
+            offsets=[loc.offset for loc in arena],
+            sizes=[loc.nbytes for loc in arena],
             missing=[k for k in keys if k not in got],
             expires_at=time.time() + ttl,  # the pool's clock is monotonic: send wall time
             shm_path=self.pool.path,

@@ -83,20 +83,22 @@ class GetChunk(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., found: _Optional[bool] = ..., total_nbytes: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("keys", "ttl_s", "reader_node_id", "release_lease_ids", "namespace", "accept_files")
+    __slots__ = ("keys", "ttl_s", "reader_node_id", "release_lease_ids", "namespace", "accept_files", "packed")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     READER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RELEASE_LEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_FILES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     ttl_s: float
     reader_node_id: str
     release_lease_ids: _containers.RepeatedScalarFieldContainer[str]
     namespace: NamespaceSpec
     accept_files: bool
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ..., reader_node_id: _Optional[str] = ..., release_lease_ids: _Optional[_Iterable[str]] = ..., namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., accept_files: _Optional[bool] = ...) -> None: ...
+    packed: bool
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., ttl_s: _Optional[float] = ..., reader_node_id: _Optional[str] = ..., release_lease_ids: _Optional[_Iterable[str]] = ..., namespace: _Optional[_Union[NamespaceSpec, _Mapping]] = ..., accept_files: _Optional[bool] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class BlockLocation(_message.Message):
     __slots__ = ("key", "offset", "nbytes", "file")
@@ -111,18 +113,24 @@ class BlockLocation(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., file: _Optional[str] = ...) -> None: ...
 
 class LeaseResponse(_message.Message):
-    __slots__ = ("lease_id", "locations", "missing", "expires_at", "shm_path")
+    __slots__ = ("lease_id", "locations", "missing", "expires_at", "shm_path", "held_keys", "offsets", "sizes")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     LOCATIONS_FIELD_NUMBER: _ClassVar[int]
     MISSING_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    HELD_KEYS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    SIZES_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     locations: _containers.RepeatedCompositeFieldContainer[BlockLocation]
     missing: _containers.RepeatedScalarFieldContainer[bytes]
     expires_at: float
     shm_path: str
-    def __init__(self, lease_id: _Optional[str] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., missing: _Optional[_Iterable[bytes]] = ..., expires_at: _Optional[float] = ..., shm_path: _Optional[str] = ...) -> None: ...
+    held_keys: bytes
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    sizes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lease_id: _Optional[str] = ..., locations: _Optional[_Iterable[_Union[BlockLocation, _Mapping]]] = ..., missing: _Optional[_Iterable[bytes]] = ..., expires_at: _Optional[float] = ..., shm_path: _Optional[str] = ..., held_keys: _Optional[bytes] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RenewLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "ttl_s")
