@@ -125,12 +125,9 @@ def warm_up(device: torch.device) -> bool:
     return True
 
 
-def _table(device: torch.device) -> torch.Tensor:
-    return _cached_table(str(device))
-
-
 @functools.cache
-def _cached_table(device: str) -> torch.Tensor:
+def _table(device: str) -> torch.Tensor:
+    """``_TABLE`` on ``device``, made once per device."""
     return torch.tensor(_TABLE, dtype=torch.int64, device=device)
 
 
@@ -143,7 +140,7 @@ def accumulators(words: torch.Tensor, starts: torch.Tensor, nbytes: int) -> torc
     out = torch.empty((len(starts), 8), dtype=torch.int64, device=words.device)
     if len(starts):
         blocks = (nbytes - 1) // BLOCK
-        kernel[(len(starts),)](words, starts, out, _table(words.device), blocks,
+        kernel[(len(starts),)](words, starts, out, _table(str(words.device)), blocks,
                                ((nbytes - 1) - blocks * BLOCK) // STRIPE, (nbytes - STRIPE) // 8,
                                num_warps=NUM_WARPS)
     return out
