@@ -28,7 +28,8 @@ from typing import Any
 DEFAULT_LOG = "/tmp/kvstore-vllm-timeline.log"
 #: vLLM's connector calls, logged by name.
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-         "request_finished", "start_load_kv", "wait_for_layer_load", "wait_for_save",
+         "request_finished", "handle_preemptions", "start_load_kv", "wait_for_layer_load",
+         "wait_for_save",
          "get_finished")
 #: Per-layer calls: left out of the summary unless asked for (``--layers``).
 LAYER_HOOKS = ("wait_for_layer_load",)

@@ -181,3 +181,84 @@ def test_on_a_cpu_loads_read_on_the_calling_thread_into_a_buffer_touched_at_star
     assert tuple(reader._buffer.shape) == (worker_side.PRELOAD_ROWS, nbytes)
     assert tuple(reader._rows(100, nbytes, shared=True).shape) == (128, nbytes)
     reader.close()
+
+
+def held(store: LocalStore, tokens: list[int]) -> int:
+    keys = [bytes(k) for k in BlockHasher(ns("")).block_keys(tokens)]
+    return store.lookup_prefix(ns(""), keys).num_blocks
+
+
+def test_a_cpu_save_is_gathered_at_the_next_step_before_vllm_reuses_its_blocks() -> None:
+    """On a CPU ``save`` gathers nothing (the step's output goes first); ``before_step``
+    (vLLM's handle_preemptions) gathers it before the next step may overwrite the blocks, so
+    what is put is the KV the forward computed, not what came after."""
+    store = LocalStore()
+    src = caches()
+    writer = WorkerSide(store, ns, H, D)
+    writer.register(src)
+    original = {name: t.clone() for name, t in src.items()}
+    tokens = list(range(8))
+    writer.save(StepPlan(saves=[transfer(tokens, [4, 1])]))
+    writer.before_step()
+    for t in src.values():  # the next step reuses both blocks
+        t[4].zero_()
+        t[1].fill_(7.0)
+    writer.flush()
+    assert writer.saved_blocks == 2
+    dst = caches()
+    reader = WorkerSide(store, ns, H, D)
+    reader.register(dst)
+    reader.load(StepPlan(loads=[transfer(tokens, [0, 5])]))
+    forward(reader)
+    for name in src:
+        assert torch.equal(dst[name][0], original[name][4])
+        assert torch.equal(dst[name][5], original[name][1])
+    writer.close()
+    reader.close()
+
+
+def test_an_idle_engine_has_its_saves_gathered_and_put_without_another_step() -> None:
+    store = LocalStore()
+    writer = WorkerSide(store, ns, H, D)
+    writer.register(caches())
+    tokens = list(range(8))
+    writer.save(StepPlan(saves=[transfer(tokens, [2, 3])]))
+    for _ in range(500):  # the save thread's own deferral ends; no before_step, no flush
+        if writer.saved_blocks == 2:
+            break
+        threading.Event().wait(0.01)
+    assert writer.saved_blocks == 2 and held(store, tokens) == 2
+    writer.close()
+
+
+def test_a_step_that_began_without_before_step_drops_waiting_saves_and_gathers_at_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A vLLM that never calls handle_preemptions may have overwritten the blocks of a save
+    that waits: it is dropped (never put with another request's KV), and later saves are
+    gathered in ``save`` itself."""
+    store = LocalStore()
+    src = caches()
+    writer = WorkerSide(store, ns, H, D)
+    writer.register(src)
+    writer._step_began.wait = lambda timeout=None: True  # type: ignore[method-assign]
+    gate = threading.Event()
+    writer._puts.submit(gate.wait)  # the save thread is busy: the save below waits
+    first, second = list(range(8)), list(range(100, 108))
+    writer.save(StepPlan(saves=[transfer(first, [0, 1])]))
+    writer.load(StepPlan())  # the next step, with no before_step first
+    assert not writer.defer_gathers and "without handle_preemptions" in caplog.text
+    writer.save(StepPlan(saves=[transfer(second, [2, 3], rid="s")]))
+    for t in src.values():
+        t.zero_()  # overwritten after the second save: it was gathered already
+    gate.set()
+    writer.flush()
+    assert held(store, first) == 0 and writer.saved_blocks == 2
+    dst = caches()
+    reader = WorkerSide(store, ns, H, D)
+    reader.register(dst)
+    reader.load(StepPlan(loads=[transfer(second, [4, 5])]))
+    forward(reader)
+    assert reader.load_errors() == set()
+    assert all(dst[name][4].abs().sum() > 0 for name in dst)  # not the zeros written after
+    writer.close()
+    reader.close()

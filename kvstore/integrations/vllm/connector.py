@@ -149,6 +149,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVStoreMetadata)
         return meta.plan
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._worker().before_step()  # saves gathered before vLLM reuses any block
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker().load(self._plan())
 

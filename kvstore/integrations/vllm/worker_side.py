@@ -15,9 +15,14 @@ Loads come in two kinds, chosen per request by the scheduler side (``BlockTransf
 Only a leading run of verified blocks is written; every vLLM block of a transfer from its first
 miss on (a corrupted block, a dead holder, a cluster that went away) is reported as a load
 error, so vLLM recomputes those tokens and the request never sees wrong KV. Saves gather the
-plan's blocks with ``paged_cache_load`` after the forward that completed them (``wait_for_save``,
-before vLLM can reuse the memory) and put them from a background thread, off the forward path;
-``close`` waits for the puts still queued.
+plan's blocks with ``paged_cache_load`` and put them from a background thread, off the forward
+path; ``close`` waits for the puts still queued. On a GPU the gather is queued on the forward's
+stream in ``wait_for_save``, right behind the forward that completed the blocks. On a CPU it is
+work on the core that computes, so it waits until the step's output is out: the save thread
+gathers once the engine is idle (``SAVE_DEFER_S``), and at the latest ``before_step`` (vLLM's
+``handle_preemptions``, the first thing of the next step, before vLLM zeroes or writes any
+block it reallocated) gathers whatever is still waiting: a request's first token no longer
+waits for its blocks' gather.
 """
 
 from __future__ import annotations
@@ -68,6 +73,26 @@ class _Fetched:
     def block_ids(self) -> list[int]:
         n = 0 if self.payloads is None else self.payloads.shape[0]
         return self.transfer.block_ids[:n]
+
+
+class _PendingSave:
+    """A save whose blocks are still to be gathered out of vLLM's caches (CPU caches: after
+    the step's output, ``WorkerSide.before_step`` at the latest)."""
+
+    def __init__(self, transfer: BlockTransfer) -> None:
+        self.transfer = transfer
+        self.payloads: torch.Tensor | None = None
+        self.lock = threading.Lock()
+
+        self.dropped = False  # its blocks may have been overwritten: never put
+
+    def gather(self, layers: Sequence[LayerCache]) -> torch.Tensor:
+        with self.lock:
+            if self.dropped:
+                raise RuntimeError("its blocks were reused before they were gathered")
+            if self.payloads is None:
+                self.payloads = gather_blocks(layers, self.transfer.block_ids)
+            return self.payloads
 
 
 #: The synchronous loads' fetch buffer, made and touched when the caches are registered: this
@@ -171,6 +196,8 @@ class WorkerSide:
         self._receiving: dict[str, Future[None]] = {}
         self._puts = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-vllm-save")
         self._pending: list[Future[None]] = []
+        self._ungathered: list[_PendingSave] = []  # CPU saves not gathered yet (before_step)
+        self.defer_gathers = True  # False once a step began without ``before_step``
         self._step_began = threading.Event()  # set: queued puts may run (``save``)
         self._step_began.set()
         self._lock = threading.Lock()
@@ -204,6 +231,7 @@ class WorkerSide:
         now and written layer by layer (``wait_for_layer``). The last step's output is out by
         now: its queued puts may start (``save``)."""
         self._step_began.set()
+        self._drop_ungathered()
         for t in plan.loads:
             if t.asynchronous:
                 self._receiving[t.request_id] = self._async_loads.submit(self._load_whole, t,
@@ -341,31 +369,70 @@ class WorkerSide:
 
     # -- saves ---------------------------------------------------------------------------
     def save(self, plan: StepPlan) -> None:
-        """Gather the plan's blocks now (before vLLM can reuse their memory); put them from
-        the save thread once this step's output is out: at the next step's ``load``, or after
-        ``SAVE_DEFER_S`` when no step follows. On the cores vLLM runs on, a put started at once
-        would share them with the end of the step that completed the request."""
+        """Save the plan's blocks: gathered now on a GPU (queued behind the forward), later on
+        a CPU (``before_step``); put from the save thread once this step's output is out: at
+        the next step's start, or after ``SAVE_DEFER_S`` when no step follows. On the cores
+        vLLM runs on, a gather or a put started at once would share them with the end of the
+        step that completed the request."""
         if plan.saves:
             self._step_began.clear()
+        on_gpu = bool(self.layers) and _on_cuda(self.layers[0].key.device)
         for t in plan.saves:
-            payloads = gather_blocks(self.layers, t.block_ids)  # before vLLM reuses the memory
-            puts = [BlockPut(k, p, tok, payloads[i]) for i, (k, p, tok)
-                    in enumerate(zip(t.keys, t.parents, t.tokens, strict=True))]
-            future = self._puts.submit(self._put, t.request_id, t.cache_salt, puts)
+            pending = _PendingSave(t)
+            if on_gpu or not self.defer_gathers:
+                pending.gather(self.layers)  # kernels on the forward's stream, behind it
+            else:
+                with self._lock:
+                    self._ungathered.append(pending)
+            future = self._puts.submit(self._put, pending)
             with self._lock:
                 self._pending = [f for f in self._pending if not f.done()] + [future]
 
-    def _put(self, request_id: str, salt: str, puts: list[BlockPut]) -> None:
+    def before_step(self) -> None:
+        """The next step begins (vLLM's ``handle_preemptions``, before it zeroes reallocated
+        blocks or writes any): gather every save still waiting, while its blocks still hold
+        its KV, and let queued puts run."""
+        self._step_began.set()
+        with self._lock:
+            waiting, self._ungathered = self._ungathered, []
+        for pending in waiting:
+            pending.gather(self.layers)
+
+    def _drop_ungathered(self) -> None:
+        """A step began with saves still waiting: vLLM did not call ``before_step`` (a version
+        without ``handle_preemptions``), so their blocks may hold another request's KV by now.
+        They are dropped, never put, and later saves are gathered in ``wait_for_save``."""
+        with self._lock:
+            stale, self._ungathered = self._ungathered, []
+        if not stale:
+            return
+        for pending in stale:
+            with pending.lock:
+                pending.dropped = pending.payloads is None
+        if self.defer_gathers:
+            log.warning("kvstore: vLLM began a step without handle_preemptions; %d saves "
+                        "dropped, later ones are gathered before the step's output",
+                        len(stale))
+            self.defer_gathers = False
+
+    def _put(self, pending: _PendingSave) -> None:
+        t = pending.transfer
         self._step_began.wait(SAVE_DEFER_S)
         try:
-            self.store.batch_put(self.namespace_of(salt), puts)
+            payloads = pending.gather(self.layers)  # at once if before_step already did
+            puts = [BlockPut(k, p, tok, payloads[i]) for i, (k, p, tok)
+                    in enumerate(zip(t.keys, t.parents, t.tokens, strict=True))]
+            self.store.batch_put(self.namespace_of(t.cache_salt), puts)
             self.saved_blocks += len(puts)
         except Exception as exc:  # a cache that misses later, never a failed request
-            log.warning("kvstore: saving %d blocks of %s failed: %s", len(puts), request_id, exc)
+            if pending.dropped:
+                return  # said once, in _drop_ungathered
+            log.warning("kvstore: saving %d blocks of %s failed: %s", len(t.keys),
+                        t.request_id, exc)
 
     def flush(self) -> None:
         """Wait for every queued put."""
-        self._step_began.set()
+        self.before_step()
         with self._lock:
             pending, self._pending = self._pending, []
         for future in pending:
