@@ -45,6 +45,7 @@ from kvstore.block_batch import encode_blocks_into
 from kvstore.client.device_copy import DeviceRows, dma_path, target_device
 from kvstore.client.early_fetch import EarlyFetch
 from kvstore.client.node_client import StoreNodeClient
+from kvstore.client.sole_node import SoleNode
 from kvstore.config import ClientConfig
 from kvstore.errors import (
     BlockCorrupted,
@@ -81,6 +82,7 @@ class ClusterStore:
         self.view = IndexView(index, self.config.index_view_ttl_s)
         self.lease_ttl_s = lease_ttl_s
         self._resolve = _resolver(directory)
+        self.sole = SoleNode(self.local_node_id, _lister(directory))
         self._clients: dict[str, StoreNodeClient] = {}
         self._no_local_calls = False  # set once this host's node cannot answer lookups
         self._lock = threading.Lock()
@@ -97,30 +99,35 @@ class ClusterStore:
         for the rest."""
         keys = [bytes(k) for k in keys]
         known = self.view.fresh_count(keys)
-        here = self._held_here(namespace, keys[known:]) if known < len(keys) else 0
+        answered = self._held_here(namespace, keys[known:]) if known < len(keys) else 0
+        here = answered or 0
         if here:
             self.view.remember(keys[known:known + here], [[self.local_node_id]] * here)
+        if answered is not None and self.sole.alone():  # no other node the index could name
+            if self.view.ttl_s > 0:
+                return self.view.lookup_prefix(keys[:known + here])  # from memory
+            return PrefixHit(here, [[self.local_node_id]] * here)
         if self.view.ttl_s > 0:
             return self.view.lookup_prefix(keys)  # it knows this node's run now
         # a view that remembers nothing: this node's run, then the index's for the rest
         rest = self.view.lookup_prefix(keys[here:]) if here < len(keys) else PrefixHit(0, [])
         return PrefixHit(here + rest.num_blocks, [[self.local_node_id]] * here + rest.holders)
 
-    def _held_here(self, namespace: Namespace, keys: list[bytes]) -> int:
+    def _held_here(self, namespace: Namespace, keys: list[bytes]) -> int | None:
         """How many leading ``keys`` this host's store node holds, when it answers on its
-        bulk channel (0 when there is none, or it fails: the index is asked then)."""
+        bulk channel (None when there is none, or it fails: the index is asked then)."""
         if self._no_local_calls:
-            return 0
+            return None
         try:
             client = self._client(self.local_node_id)
         except KVStoreError:  # no store node on this host: ask the index from now on
             self._no_local_calls = True
-            return 0
+            return None
         if not (client.same_node and client.has_bulk):
             self._no_local_calls = True
-            return 0
+            return None
         held = client.held_here(keys, namespace)
-        return 0 if held is None else (held.index(False) if False in held else len(held))
+        return None if held is None else (held.index(False) if False in held else len(held))
 
     def batch_get(self, namespace: Namespace, keys: Sequence[bytes],
                   token_ids: Sequence[TokenIds], *, device: torch.device | str | None = None
@@ -298,8 +305,10 @@ class ClusterStore:
 
     # -- internals --------------------------------------------------------------------------
     def _push_loop(self) -> None:
+        self.sole.refresh()
         while not self._closed.wait(reader_metrics.FLUSH_INTERVAL_S):
             self.flush_metrics(resolve=False)
+            self.sole.refresh()
 
     def _fetch_rounds(self, namespace: Namespace, keys: list[bytes],
                       token_ids: Sequence[TokenIds], out: torch.Tensor | DeviceRows,
@@ -416,15 +425,23 @@ def _check_out(out: torch.Tensor, num_blocks: int, nbytes: int) -> None:
                          f"[{num_blocks}, {nbytes}]")
 
 
-def _resolver(directory: Directory) -> Callable[[str], NodeAddress]:
-    """Accept ``node_id -> NodeAddress`` or a zero-argument ``() -> {node_id: NodeAddress}``."""
+def _takes_id(directory: Directory) -> bool:
     try:
         params = inspect.signature(directory).parameters
-        takes_id = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-                       for p in params.values())
     except (TypeError, ValueError):
-        takes_id = True
-    if takes_id:
+        return True
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+               for p in params.values())
+
+
+def _lister(directory: Directory) -> Callable[[], Mapping[str, NodeAddress]] | None:
+    """The zero-argument directory (every node by id), or None for a per-id resolver."""
+    return None if _takes_id(directory) else directory  # type: ignore[return-value]
+
+
+def _resolver(directory: Directory) -> Callable[[str], NodeAddress]:
+    """Accept ``node_id -> NodeAddress`` or a zero-argument ``() -> {node_id: NodeAddress}``."""
+    if _takes_id(directory):
         return directory  # type: ignore[return-value]
 
     def resolve(node: str) -> NodeAddress:

@@ -157,3 +157,32 @@ def test_a_lookup_asks_this_hosts_node_first_and_the_index_for_the_rest(cluster)
     assert reader.lookup_prefix(ns, keys).num_blocks == 4
     assert counted.asked == [keys]
     reader.close()
+
+
+def test_a_sole_node_answers_the_whole_lookup_and_a_second_node_brings_the_index_back(
+        cluster) -> None:
+    """With this host's node the directory's only one, the index can name no other holder:
+    a lookup asks the node alone. Once the directory lists another node (at the next refresh)
+    the index is asked for what the node lacks, and finds the other node's blocks."""
+    index, nodes, directory = cluster
+    ns = make_namespace()
+    puts, _ = make_puts(ns, 4, seed=6)
+    keys = [p.key for p in puts]
+    ClusterStore("node-a", index, directory.__getitem__, LONG_VIEW).batch_put(ns, puts[:2])
+    ClusterStore("node-b", index, directory.__getitem__, LONG_VIEW).batch_put(ns, puts[2:])
+    listed = {"node-a": directory["node-a"]}
+    counted = CountingIndex(index)
+    for config in (LONG_VIEW, ClientConfig(timeout_s=5, retries=1, index_view_ttl_s=0.0)):
+        listed.pop("node-b", None)
+        reader = ClusterStore("node-a", counted, lambda: dict(listed), config)
+        reader.sole.refresh(if_older=False)
+        assert reader.sole.alone()
+        counted.asked.clear()
+        hit = reader.lookup_prefix(ns, keys)
+        assert (hit.num_blocks, hit.holders, counted.asked) == (2, [["node-a"]] * 2, [])
+        listed["node-b"] = directory["node-b"]
+        reader.sole.refresh(if_older=False)
+        assert not reader.sole.alone()
+        hit = reader.lookup_prefix(ns, keys)
+        assert hit.num_blocks == 4 and counted.asked == [keys[2:]]
+        reader.close()

@@ -1,0 +1,63 @@
+"""Whether this host's store node is the cluster's only one, known without asking per lookup.
+
+A lookup asks this host's node for the leading run of blocks it holds, then the index for the
+rest. On a cluster whose only store node is this one (the single-machine default, a laptop, one
+GPU box) the index can name no other holder, so that second round trip (a Ray actor call for the
+coordinator's index, about a millisecond on a busy host) buys nothing. ``SoleNode`` keeps the
+answer from the coordinator's directory, refreshed in the background; an answer older than
+``2 * max_age_s``, a directory that fails or one that cannot list its nodes all count as "not
+alone", so the index is asked as before. A node that joined since the last refresh is missed
+for at most ``max_age_s``: a lookup that stops short (a miss), never a wrong block.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: How often the answer is refreshed (the client's background thread asks the directory).
+MAX_AGE_S = 5.0
+
+
+class SoleNode:
+    """``alone()``: this host's node was the directory's only node at the last refresh."""
+
+    def __init__(self, node_id: str, nodes: Callable[[], Mapping[str, Any]] | None, *,
+                 max_age_s: float = MAX_AGE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``nodes``: the directory as a zero-argument call returning every node by id, or
+        None where the directory only resolves one id at a time (never alone then)."""
+        self.node_id = node_id
+        self.max_age_s = max_age_s
+        self._nodes = nodes
+        self._clock = clock
+        self._alone = False
+        self._checked_at: float | None = None
+        self._lock = threading.Lock()
+
+    def alone(self) -> bool:
+        with self._lock:
+            fresh = (self._checked_at is not None
+                     and self._clock() - self._checked_at <= 2 * self.max_age_s)
+            return fresh and self._alone
+
+    def refresh(self, *, if_older: bool = True) -> None:
+        """Ask the directory again (``if_older``: only once ``max_age_s`` has passed)."""
+        if self._nodes is None:
+            return
+        with self._lock:
+            checked = self._checked_at
+        if if_older and checked is not None and self._clock() - checked < self.max_age_s:
+            return
+        try:
+            alone = set(self._nodes()) == {self.node_id}
+        except Exception as exc:  # the coordinator is away: ask the index meanwhile
+            log.debug("the store directory did not answer: %s", exc)
+            alone = False
+        with self._lock:
+            self._alone, self._checked_at = alone, self._clock()
