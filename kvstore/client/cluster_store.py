@@ -19,11 +19,10 @@ process, and pushed to the reader's own store node every ``FLUSH_INTERVAL_S`` an
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -36,14 +35,15 @@ from kvstore.api import (
     BlockPut,
     FetchedBlock,
     Miss,
-    NodeAddress,
     PrefixHit,
     TokenIds,
 )
 from kvstore.block import block_nbytes, payload_offset
 from kvstore.block_batch import encode_blocks_into
 from kvstore.client.device_copy import DeviceRows, dma_path, target_device
+from kvstore.client.directory import Directory, lister, resolver
 from kvstore.client.early_fetch import EarlyFetch
+from kvstore.client.leased_reads import HeldLease
 from kvstore.client.node_client import StoreNodeClient
 from kvstore.client.sole_node import SoleNode
 from kvstore.config import ClientConfig
@@ -59,9 +59,6 @@ from kvstore.index.view import IndexView
 from kvstore.keys import Namespace
 
 log = logging.getLogger(__name__)
-
-Directory = Callable[[str], NodeAddress] | Callable[[], Mapping[str, NodeAddress]]
-
 
 class ClusterStore:
     """A worker's view of the cluster's store nodes (implements ``kvstore.api.KVStore``)."""
@@ -81,8 +78,8 @@ class ClusterStore:
         # for config.index_view_ttl_s (kvstore.index.view: staleness is a miss, never wrong KV).
         self.view = IndexView(index, self.config.index_view_ttl_s)
         self.lease_ttl_s = lease_ttl_s
-        self._resolve = _resolver(directory)
-        self.sole = SoleNode(self.local_node_id, _lister(directory))
+        self._resolve = resolver(directory)
+        self.sole = SoleNode(self.local_node_id, lister(directory))
         self._clients: dict[str, StoreNodeClient] = {}
         self._no_local_calls = False  # set once this host's node cannot answer lookups
         self._lock = threading.Lock()
@@ -129,9 +126,50 @@ class ClusterStore:
         held = client.held_here(keys, namespace)
         return None if held is None else (held.index(False) if False in held else len(held))
 
+    def lease_prefix(self, namespace: Namespace, keys: Sequence[bytes]
+                     ) -> tuple[PrefixHit, HeldLease | None]:
+        """``lookup_prefix`` whose question to this host's node is a lease on the blocks it
+        holds (one round trip either way): the lease goes to whoever reads them next
+        (``batch_get``'s ``held``: vLLM's worker, after its scheduler looked the prompt up),
+        which then takes none. No lease where the node cannot be asked so, or holds none."""
+        keys = [bytes(k) for k in keys]
+        client = None if self._no_local_calls else self._client_or_none(self.local_node_id)
+        if client is None or not (client.same_node and client.has_bulk):
+            return self.lookup_prefix(namespace, keys), None
+        granted = time.monotonic()
+        try:
+            info = client.lease(keys, self.lease_ttl_s, namespace=namespace, files=True)
+        except (KVStoreError, OSError):
+            return self.lookup_prefix(namespace, keys), None
+        held = {loc.key for loc in info.locations}
+        here = next((i for i, k in enumerate(keys) if k not in held), len(keys))
+        lease = HeldLease(self.local_node_id, info, granted, self.lease_ttl_s) if held else None
+        if lease is None:
+            client.release_nowait(info.lease_id)
+        if here:
+            self.view.remember(keys[:here], [[self.local_node_id]] * here)
+        rest = PrefixHit(0, [])
+        if here < len(keys) and not self.sole.alone():
+            with contextlib.suppress(Exception):  # the index down: this node's run only
+                rest = self.view.lookup_prefix(keys[here:])
+        return PrefixHit(here + rest.num_blocks,
+                         [[self.local_node_id]] * here + rest.holders), lease
+
+    def release_lease(self, lease: HeldLease) -> None:
+        """End a lease from ``lease_prefix`` that no read will use (without waiting)."""
+        client = self._client_or_none(lease.node_id)
+        if client is not None:
+            client.release_nowait(lease.info.lease_id)
+
+    def _client_or_none(self, node: str) -> StoreNodeClient | None:
+        try:
+            return self._client(node)
+        except KVStoreError:
+            return None
+
     def batch_get(self, namespace: Namespace, keys: Sequence[bytes],
-                  token_ids: Sequence[TokenIds], *, device: torch.device | str | None = None
-                  ) -> list[FetchedBlock | Miss]:
+                  token_ids: Sequence[TokenIds], *, device: torch.device | str | None = None,
+                  held: HeldLease | None = None) -> list[FetchedBlock | Miss]:
         if len(keys) != len(token_ids):
             raise ValueError(f"{len(keys)} keys but {len(token_ids)} token lists")
         target = target_device(device)
@@ -139,11 +177,11 @@ class ClusterStore:
             # One allocation for the batch, not one per block: the payloads are views into
             # it, so the batch's memory lives as long as any of them.
             return self.batch_get_into(namespace, keys, token_ids,
-                                       new_block_buffer(namespace, len(keys)))
+                                       new_block_buffer(namespace, len(keys)), held=held)
         # Rows of whole blocks: a run of blocks adjacent in a same-node arena is one copy.
         return self._batch_get(namespace, [bytes(k) for k in keys], token_ids,
                                DeviceRows(target, len(keys), block_nbytes(namespace),
-                                          payload_offset=payload_offset(namespace)))
+                                          payload_offset=payload_offset(namespace)), held)
 
     def batch_get_early(self, namespace: Namespace, keys: Sequence[bytes],
                         token_ids: Sequence[TokenIds], *, device: torch.device | str
@@ -190,35 +228,39 @@ class ClusterStore:
         return True
 
     def batch_get_into(self, namespace: Namespace, keys: Sequence[bytes],
-                       token_ids: Sequence[TokenIds], out: torch.Tensor
-                       ) -> list[FetchedBlock | Miss]:
+                       token_ids: Sequence[TokenIds], out: torch.Tensor, *,
+                       held: HeldLease | None = None) -> list[FetchedBlock | Miss]:
         """``batch_get`` into a caller-owned ``[n, block_nbytes]`` uint8 CPU tensor.
 
         Block ``i`` lands in row ``i`` and its payload is a view into that row, so reusing
         ``out`` across requests skips the page faults of fresh memory; the caller must not
-        overwrite a row while the payload viewing it is still in use.
+        overwrite a row while the payload viewing it is still in use. ``held``: a lease from
+        ``lease_prefix`` that this host's blocks are read under (released after).
         """
         if len(keys) != len(token_ids):
             raise ValueError(f"{len(keys)} keys but {len(token_ids)} token lists")
         _check_out(out, len(keys), block_nbytes(namespace))
-        return self._batch_get(namespace, [bytes(k) for k in keys], token_ids, out)
+        return self._batch_get(namespace, [bytes(k) for k in keys], token_ids, out, held)
 
     def _batch_get(self, namespace: Namespace, keys: list[bytes],
-                   token_ids: Sequence[TokenIds], out: torch.Tensor | DeviceRows
-                   ) -> list[FetchedBlock | Miss]:
+                   token_ids: Sequence[TokenIds], out: torch.Tensor | DeviceRows,
+                   held: HeldLease | None = None) -> list[FetchedBlock | Miss]:
         """Fetch into ``out``: CPU rows of whole blocks, or payload rows on a device."""
         results: list[str | None] = [None] * len(keys)  # the node that served each block
         try:
             holders = self.view.holders(keys)
         except Exception as exc:  # the index being down is a miss for everyone, not a crash
+            if held is not None:
+                self.release_lease(held)
             return [Miss(k, MISS_NODE_UNAVAILABLE, f"index: {exc}") for k in keys]
+        lease: list[HeldLease | None] = [held]  # used by the first read from its node
         # Candidates per key, own node first; a node that fails is dropped for the next round.
         candidates = [self._order(h) for h in holders]
         tried: list[set[str]] = [set() for _ in keys]
         last_miss: dict[int, Miss] = {}
         try:
             self._fetch_rounds(namespace, keys, token_ids, out, candidates, tried, results,
-                               last_miss)
+                               last_miss, lease)
             # Holders that turned out not to hold a key (or failed) were dropped from the view
             # by _fetch_group: if the view answered from memory, its promise may have been
             # stale, so ask the index once for those keys and try any holder not tried yet.
@@ -231,6 +273,8 @@ class ClusterStore:
                     self._fetch_rounds(namespace, keys, token_ids, out, candidates, tried,
                                        results, last_miss)
         finally:
+            if lease[0] is not None:  # no read went to its node
+                self.release_lease(lease[0])
             if isinstance(out, DeviceRows):
                 out.wait()  # no copy may still write the rows once they can be freed
         if isinstance(out, DeviceRows):
@@ -313,9 +357,10 @@ class ClusterStore:
     def _fetch_rounds(self, namespace: Namespace, keys: list[bytes],
                       token_ids: Sequence[TokenIds], out: torch.Tensor | DeviceRows,
                       candidates: list[list[str]], tried: list[set[str]],
-                      results: list[str | None], last_miss: dict[int, Miss]) -> None:
+                      results: list[str | None], last_miss: dict[int, Miss],
+                      lease: list[HeldLease | None] | None = None) -> None:
         """Fetch each unserved key from its next candidate, grouped by node, until every key
-        is served or out of candidates."""
+        is served or out of candidates (``lease``: a held lease, for its node's first read)."""
         while True:
             groups: dict[str, list[int]] = {}
             for i, cands in enumerate(candidates):
@@ -326,8 +371,11 @@ class ClusterStore:
             if not groups:
                 return
             for node, idxs in groups.items():
+                held = None
+                if lease and lease[0] is not None and lease[0].node_id == node:
+                    held, lease[0] = lease[0], None
                 self._fetch_group(namespace, node, idxs, keys, token_ids, out, results,
-                                  last_miss)
+                                  last_miss, held)
 
     def _order(self, holders: Sequence[str]) -> list[str]:
         own = [h for h in holders if h == self.local_node_id]
@@ -361,8 +409,8 @@ class ClusterStore:
 
     def _fetch_group(self, namespace: Namespace, node: str, idxs: list[int], keys: list[bytes],
                      token_ids: Sequence[TokenIds], out: torch.Tensor | DeviceRows,
-                     results: list[str | None],
-                     last_miss: dict[int, Miss]) -> None:
+                     results: list[str | None], last_miss: dict[int, Miss],
+                     held: HeldLease | None = None) -> None:
         nbytes = block_nbytes(namespace)
         t0 = time.perf_counter()
         try:
@@ -370,11 +418,11 @@ class ClusterStore:
             group_keys, group_tokens = [keys[i] for i in idxs], [token_ids[i] for i in idxs]
             if isinstance(out, DeviceRows):  # verified, then on the device
                 got = client.get_verified_into_device(namespace, group_keys, group_tokens, out,
-                                                      idxs)
+                                                      idxs, held=held)
             else:  # numpy row views: the byte paths take them without a per-block conversion
                 rows = out.numpy()
                 got = client.get_verified_into(namespace, group_keys, group_tokens,
-                                               [rows[i, :nbytes] for i in idxs])
+                                               [rows[i, :nbytes] for i in idxs], held=held)
         except LeaseExpired as exc:
             for i in idxs:
                 last_miss[i] = Miss(keys[i], MISS_LEASE_EXPIRED, str(exc))
@@ -423,28 +471,3 @@ def _check_out(out: torch.Tensor, num_blocks: int, nbytes: int) -> None:
     if out.shape[0] < num_blocks or out.shape[1] < nbytes:
         raise ValueError(f"out has shape {tuple(out.shape)}; this batch needs at least "
                          f"[{num_blocks}, {nbytes}]")
-
-
-def _takes_id(directory: Directory) -> bool:
-    try:
-        params = inspect.signature(directory).parameters
-    except (TypeError, ValueError):
-        return True
-    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-               for p in params.values())
-
-
-def _lister(directory: Directory) -> Callable[[], Mapping[str, NodeAddress]] | None:
-    """The zero-argument directory (every node by id), or None for a per-id resolver."""
-    return None if _takes_id(directory) else directory  # type: ignore[return-value]
-
-
-def _resolver(directory: Directory) -> Callable[[str], NodeAddress]:
-    """Accept ``node_id -> NodeAddress`` or a zero-argument ``() -> {node_id: NodeAddress}``."""
-    if _takes_id(directory):
-        return directory  # type: ignore[return-value]
-
-    def resolve(node: str) -> NodeAddress:
-        return directory()[node]  # type: ignore[call-arg,index]
-
-    return resolve

@@ -22,6 +22,7 @@ from kvstore.client.device_copy import DeviceRows, StagingPool
 from kvstore.client.device_reads import shm_into_device, staged_into_device
 from kvstore.client.file_reads import read_leased
 from kvstore.client.lease_releases import LeaseReleases
+from kvstore.client.leased_reads import HeldLease, Read, read_under_lease
 from kvstore.client.replies import (
     HeldBlock,
     LeaseInfo,
@@ -36,12 +37,10 @@ from kvstore.client.verify_pool import verify_landed
 from kvstore.config import ClientConfig
 from kvstore.errors import (
     KVStoreError,
-    LeaseExpired,
     Overloaded,
 )
 from kvstore.keys import Namespace
 from kvstore.node.auth import AUTH_HEADER
-from kvstore.node.block_pool import BlockLocation
 from kvstore.node.grpc_setup import open_channel
 from kvstore.node.grpc_status import error_from_rpc
 from kvstore.node.proto_forms import spec_from_namespace, tally_to_proto
@@ -257,22 +256,23 @@ class StoreNodeClient:
         return self.same_node and self._reader().pin_for_dma(device, wait=wait)
 
     def get_verified_into(self, namespace: Namespace, keys: Sequence[bytes],
-                          token_ids: Sequence[Any], buffers: Sequence[Buffer]
-                          ) -> list[int | KVStoreError | None]:
+                          token_ids: Sequence[Any], buffers: Sequence[Buffer], *,
+                          held: HeldLease | None = None) -> list[int | KVStoreError | None]:
         """Fetch and verify blocks into the caller's buffers, in order.
 
         Per key: the block's size (verified: header, tokens, checksum), the ``BlockCorrupted``
         / ``BlockMismatch`` / ``NamespaceMismatch`` that rejected it, or None (not held).
         Same node each block is copied and its copy hashed while cache-hot, the batch's blocks
         spread over the verify pool's threads; remote blocks are verified after they land
-        (over the same threads), a request while the next one streams.
+        (over the same threads), a request while the next one streams. ``held``: a same-node
+        read's lease, taken by another process's lookup (``leased_reads``).
         """
         if not len(keys) == len(token_ids) == len(buffers):
             raise ValueError(f"{len(keys)} keys, {len(token_ids)} token lists and "
                              f"{len(buffers)} buffers: one of each per block")
         keys = [bytes(k) for k in keys]
         if self.same_node:
-            return self._shm_get_into(keys, buffers, namespace, token_ids)
+            return self._shm_get_into(keys, buffers, namespace, token_ids, held=held)
         out: list[int | KVStoreError | None] = [None] * len(keys)
         views = [byte_view(b) for b in buffers]
 
@@ -289,7 +289,8 @@ class StoreNodeClient:
         return out
 
     def get_verified_into_device(self, namespace: Namespace, keys: Sequence[bytes],
-                                 token_ids: Sequence[Any], sink: DeviceRows, rows: Sequence[int]
+                                 token_ids: Sequence[Any], sink: DeviceRows, rows: Sequence[int],
+                                 *, held: HeldLease | None = None
                                  ) -> list[int | KVStoreError | None]:
         """``get_verified_into`` for a device: block ``i``'s payload goes to row ``rows[i]`` of
         ``sink`` (``kvstore.client.device_reads``: same node straight from the page-locked arena,
@@ -302,7 +303,8 @@ class StoreNodeClient:
         keys = [bytes(k) for k in keys]
         if self.same_node:
             return self._leased(keys, namespace, lambda reader, where, keep_alive: shm_into_device(
-                reader, where, keys, token_ids, namespace, sink, rows, keep_alive, self._staging))
+                reader, where, keys, token_ids, namespace, sink, rows, keep_alive, self._staging),
+                held=held)
 
         def land(lo: int, hi: int, stage: Any) -> tuple[list[Any], range]:
             return self.get_verified_into(namespace, keys[lo:hi], token_ids[lo:hi],
@@ -313,14 +315,16 @@ class StoreNodeClient:
     def _shm_get_into(self, keys: list[bytes], buffers: Sequence[Buffer],
                       namespace: Namespace | None = None,
                       token_ids: Sequence[Any] | None = None, *,
-                      scope: Namespace | None = None, files: bool = True) -> list[Any]:
+                      scope: Namespace | None = None, files: bool = True,
+                      held: HeldLease | None = None) -> list[Any]:
         """Lease, copy each block once out of the holder's arena or read it from its disk-tier
         file (verified in the same pass when ``namespace`` is given: ``file_reads``), then
         release without waiting for the reply; files gone or unreadable by then are asked
         for once more, without files. ``scope``: the namespace the lease is asked in."""
         again: list[int] = []
         out = self._leased(keys, scope or namespace, lambda reader, where, keep_alive: read_leased(
-            reader, where, keys, buffers, namespace, token_ids, keep_alive, again), files=files)
+            reader, where, keys, buffers, namespace, token_ids, keep_alive, again), files=files,
+            held=held)
         if again:
             redo = self._shm_get_into([keys[i] for i in again], [buffers[i] for i in again],
                                       namespace, None if token_ids is None else
@@ -329,44 +333,11 @@ class StoreNodeClient:
                 out[i] = verdict
         return out
 
-    def _leased(self, keys: list[bytes], namespace: Namespace | None,
-                read: Callable[[Any, dict[bytes, BlockLocation], Callable[[], None]], list[Any]],
-                *, files: bool = False) -> list[Any]:
-        """``read(reader, locations, keep_alive)`` under a lease on ``keys`` (asked in
-        ``namespace``; ``files``: as ``lease``'s), which is released without waiting once
-        ``read`` returns; LeaseExpired if the lease may have ended before ``read`` was done
-        with the arena."""
-        granted = [time.monotonic()]  # before the call: the node's clock starts no earlier
-        lease = self.lease(keys, self.lease_ttl_s, namespace=namespace, files=files)
-        renewal = threading.Lock()
-
-        def keep_alive() -> None:
-            # Renew inline, between blocks, once a third of the TTL has gone: a block copies
-            # in a small part of a TTL, and a renewal thread per fetch would cost more than it
-            # saves.
-            # Blocks copy on several threads: one of them renews, the others see it done.
-            if time.monotonic() - granted[0] <= self.lease_ttl_s / 3:
-                return
-            with renewal:
-                if time.monotonic() - granted[0] > self.lease_ttl_s / 3:
-                    renewing = time.monotonic()
-                    self._renew_or_lost(lease.lease_id)
-                    granted[0] = renewing
-
-        try:
-            out = read(self._reader(), {loc.key: loc for loc in lease.locations}, keep_alive)
-            if time.monotonic() - granted[0] >= self.lease_ttl_s:  # stalled past the TTL
-                raise LeaseExpired(f"lease {lease.lease_id} on {self.address} ended mid-copy")
-            return out
-        finally:
-            self.release_nowait(lease.lease_id)
-
-    def _renew_or_lost(self, lease_id: str) -> None:
-        try:
-            self.renew(lease_id, self.lease_ttl_s)
-        except KVStoreError as exc:
-            raise LeaseExpired(f"lease {lease_id} on {self.address} ended mid-copy: "
-                               f"{exc}") from exc
+    def _leased(self, keys: list[bytes], namespace: Namespace | None, read: Read, *,
+                files: bool = False, held: HeldLease | None = None) -> list[Any]:
+        """``read`` under a lease on ``keys`` (``held``, a fresh one handed over, or asked in
+        ``namespace`` now): ``leased_reads.read_under_lease``."""
+        return read_under_lease(self, keys, namespace, read, files=files, held=held)
 
     # -- leases -----------------------------------------------------------------------------
     def lease(self, keys: Sequence[bytes], ttl_s: float, *,

@@ -50,6 +50,7 @@ class _Tracked:
     load_async: bool = False
     block_ids: list[int] | None = None
     holders: list[list[str]] | None = None  # per hit block, from the lookup
+    lease: Any = None  # the lookup's lease on this host's node, until a load takes it
 
 
 LOAD_MODES = ("auto", "sync", "async")
@@ -88,7 +89,7 @@ class SchedulerSide:
         """Tokens kvstore can supply beyond vLLM's own ``num_computed_tokens``, and whether
         they load asynchronously."""
         others = len(self._requests) - (request.request_id in self._requests)
-        tracked = self._track(request)
+        tracked = self._track(request, num_computed_tokens)
         tracked.local_blocks = num_computed_tokens // self.block_size
         extra = max(0, tracked.hit_blocks * self.block_size - num_computed_tokens)
         if not self.load or not extra:
@@ -97,7 +98,7 @@ class SchedulerSide:
                                                            and others > 0)
         return extra, tracked.load_async
 
-    def _track(self, request: Any) -> _Tracked:
+    def _track(self, request: Any, num_computed_tokens: int = 0) -> _Tracked:
         known = self._requests.get(request.request_id)
         if known is not None:
             return known
@@ -119,17 +120,26 @@ class SchedulerSide:
         usable = (len(tokens) - 1) // self.block_size  # one token is always computed
         # A loader needs the prefix up to its last usable block; a saver the whole prompt.
         wanted = keys if self.save else keys[:usable]
-        held, hit, holders = 0, 0, None
+        held, hit, holders, lease = 0, 0, None, None
+        local = num_computed_tokens // self.block_size
+        # A load past vLLM's own hit asks this host's node for a lease, not a yes/no: the
+        # same round trip, and the worker then reads under it without asking again.
+        leasing = self.load and usable > local and hasattr(self.store, "lease_prefix")
         if (self.load and usable > 0) or (self.save and wanted):
             try:
-                found = self.store.lookup_prefix(namespace, wanted)
+                if leasing:
+                    found, lease = self.store.lease_prefix(namespace, wanted)
+                else:
+                    found = self.store.lookup_prefix(namespace, wanted)
                 held = found.num_blocks
                 hit = min(held, usable) if self.load else 0
                 holders = found.holders[:hit]
             except Exception as exc:  # the store's, Ray's or gRPC's: a miss, never a failure
                 log.warning("kvstore lookup failed, computing the prompt: %s", exc)
         tracked = _Tracked(salt, tokens, keys, parents, hit_blocks=hit,
-                           saved_blocks=max(held, hit), holders=holders)
+                           saved_blocks=max(held, hit), holders=holders, lease=lease)
+        if hit <= local:
+            self._release(tracked)  # nothing to load: no read will use it
         self._requests[request.request_id] = tracked
         return tracked
 
@@ -140,6 +150,8 @@ class SchedulerSide:
         tracked.load_blocks = num_external_tokens // self.block_size
         if tracked.load_blocks:
             self._pending_loads.append(request.request_id)
+        else:
+            self._release(tracked)
 
     # -- plans ---------------------------------------------------------------------------
     def step_plan(self, scheduler_output: Any) -> StepPlan:
@@ -195,7 +207,19 @@ class SchedulerSide:
         transfer.asynchronous = t.load_async
         if t.holders is not None and len(t.holders) >= end:
             transfer.holders = t.holders[start:end]
+        transfer.lease, t.lease = t.lease, None  # the worker reads under it, then ends it
         return transfer
 
+    def _release(self, t: _Tracked) -> None:
+        """End a lookup's lease that no load will read under."""
+        lease, t.lease = t.lease, None
+        if lease is not None:
+            try:
+                self.store.release_lease(lease)
+            except Exception as exc:  # it runs to its TTL: memory held a while, nothing lost
+                log.debug("releasing a lookup's lease failed: %s", exc)
+
     def finished(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        tracked = self._requests.pop(request_id, None)
+        if tracked is not None:
+            self._release(tracked)

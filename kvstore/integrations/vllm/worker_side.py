@@ -329,15 +329,16 @@ class WorkerSide:
         view = getattr(self.store, "view", None)  # ClusterStore's IndexView
         if t.holders is not None and view is not None:
             view.remember(t.keys, t.holders)  # the scheduler's lookup: no second index call
+        held = {} if t.lease is None else {"held": t.lease}  # the scheduler's lookup's lease
         try:
             if out is not None:
-                results = self.store.batch_get_into(namespace, t.keys, t.tokens, out)
+                results = self.store.batch_get_into(namespace, t.keys, t.tokens, out, **held)
             elif self.layers and self.layers[0].key.device.type != "cpu":
                 # Verified, then copied to the caches' device (same node: DMA from the arena).
                 results = self.store.batch_get(namespace, t.keys, t.tokens,
-                                               device=self.layers[0].key.device)
+                                               device=self.layers[0].key.device, **held)
             else:
-                results = self.store.batch_get(namespace, t.keys, t.tokens)
+                results = self.store.batch_get(namespace, t.keys, t.tokens, **held)
         except Exception as exc:  # the store's, Ray's or gRPC's: a miss, never a failure
             log.warning("kvstore fetch for %s failed; vLLM recomputes: %s", t.request_id, exc)
             results = []
