@@ -164,3 +164,51 @@ def test_a_bypassing_request_neither_loads_nor_saves() -> None:
     side.allocated(req, [0, 1, 2, 3], 0)
     plan = side.step_plan(step(new=[("b", [0, 1, 2, 3], 0)], scheduled={"b": 13}))
     assert plan.loads == [] and plan.saves == []
+
+
+class LeasingStore:
+    """A LocalStore whose lookups lease, as ClusterStore's ``lease_prefix`` does on this
+    host's node; it records which leases are released."""
+
+    def __init__(self, store: LocalStore) -> None:
+        self.store, self.leased, self.released = store, 0, []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+    def lease_prefix(self, namespace, keys):  # noqa: ANN001, ANN201 - ClusterStore's
+        hit = self.store.lookup_prefix(namespace, keys)
+        self.leased += 1
+        return hit, (f"lease-{self.leased}" if hit.num_blocks else None)
+
+    def release_lease(self, lease: str) -> None:
+        self.released.append(lease)
+
+
+def test_a_loads_lookup_lease_goes_to_the_worker_and_every_other_one_is_released() -> None:
+    store = LeasingStore(LocalStore())
+    prompt = list(range(100, 114))  # 3 full blocks and 2 tokens
+    publish(store.store, prompt[:8])
+    side = SchedulerSide(store, ns, BS)
+    loaded = request("loaded", prompt)
+    assert side.matched_tokens(loaded, 0) == (8, False)
+    side.allocated(loaded, [10, 11, 12, 13], 8)
+    [load] = side.step_plan(step(new=[("loaded", [10, 11, 12, 13], 8)],
+                                 scheduled={"loaded": 6})).loads
+    assert load.lease == "lease-1"
+    side.finished("loaded")
+    assert store.released == []  # the worker reads under it and ends it
+    local = request("local", prompt)  # vLLM's own hit covers what kvstore holds
+    assert side.matched_tokens(local, 8) == (0, False)
+    assert store.released == ["lease-2"]
+    refused = request("refused", prompt)  # vLLM allocates it no external tokens after all
+    side.matched_tokens(refused, 0)
+    side.allocated(refused, [20, 21, 22, 23], 0)
+    assert store.released == ["lease-2", "lease-3"]
+    aborted = request("aborted", prompt)  # finished before its load was planned
+    side.matched_tokens(aborted, 0)
+    side.finished("aborted")
+    assert store.released == ["lease-2", "lease-3", "lease-4"]
+    saver = SchedulerSide(store, ns, BS, load=False)  # a save-only instance never leases
+    saver.matched_tokens(request("saved", prompt), 0)
+    assert store.leased == 4
