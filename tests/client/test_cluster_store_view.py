@@ -129,16 +129,22 @@ class CountingIndex:
         return self.index.lookup_prefix(keys)
 
 
+def split_over_two_nodes(cluster, seed: int):  # noqa: ANN001, ANN201
+    """Four blocks: the first two put on node-a, the others on node-b."""
+    index, _, directory = cluster
+    ns = make_namespace()
+    puts, _ = make_puts(ns, 4, seed=seed)
+    ClusterStore("node-a", index, directory.__getitem__, LONG_VIEW).batch_put(ns, puts[:2])
+    ClusterStore("node-b", index, directory.__getitem__, LONG_VIEW).batch_put(ns, puts[2:])
+    return ns, [p.key for p in puts]
+
+
 def test_a_lookup_asks_this_hosts_node_first_and_the_index_for_the_rest(cluster) -> None:
     """The reader's own store node answers for the leading blocks it holds (over its bulk
     channel); the index is asked only for the blocks after them, or not at all. A view that
     remembers nothing gets the same answer; a host whose node is gone asks the index."""
     index, nodes, directory = cluster
-    ns = make_namespace()
-    puts, _ = make_puts(ns, 4, seed=5)
-    keys = [p.key for p in puts]
-    ClusterStore("node-a", index, directory.__getitem__, LONG_VIEW).batch_put(ns, puts[:2])
-    ClusterStore("node-b", index, directory.__getitem__, LONG_VIEW).batch_put(ns, puts[2:])
+    ns, keys = split_over_two_nodes(cluster, seed=5)
     counted = CountingIndex(index)
     for config in (LONG_VIEW, ClientConfig(timeout_s=5, retries=1, index_view_ttl_s=0.0)):
         reader = ClusterStore("node-a", counted, directory.__getitem__, config)
@@ -165,11 +171,7 @@ def test_a_sole_node_answers_the_whole_lookup_and_a_second_node_brings_the_index
     a lookup asks the node alone. Once the directory lists another node (at the next refresh)
     the index is asked for what the node lacks, and finds the other node's blocks."""
     index, nodes, directory = cluster
-    ns = make_namespace()
-    puts, _ = make_puts(ns, 4, seed=6)
-    keys = [p.key for p in puts]
-    ClusterStore("node-a", index, directory.__getitem__, LONG_VIEW).batch_put(ns, puts[:2])
-    ClusterStore("node-b", index, directory.__getitem__, LONG_VIEW).batch_put(ns, puts[2:])
+    ns, keys = split_over_two_nodes(cluster, seed=6)
     listed = {"node-a": directory["node-a"]}
     counted = CountingIndex(index)
     for config in (LONG_VIEW, ClientConfig(timeout_s=5, retries=1, index_view_ttl_s=0.0)):

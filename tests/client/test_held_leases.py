@@ -37,12 +37,19 @@ def counting_leases(store: ClusterStore, node: str) -> list[tuple]:
     return asked
 
 
+def on_node_a(cluster, num_blocks: int, seed: int, held: int | None = None):  # noqa: ANN001, ANN201
+    """A namespace and ``num_blocks`` blocks' puts, tokens and keys, the first ``held`` of
+    them (all by default) put on node-a."""
+    index, _, directory = cluster
+    ns = make_namespace()
+    puts, tokens = make_puts(ns, num_blocks, seed=seed)
+    ClusterStore("node-a", index, directory.__getitem__, FAST).batch_put(ns, puts[:held])
+    return ns, puts, tokens, [p.key for p in puts]
+
+
 def test_a_lookups_lease_is_read_under_and_then_ended(cluster) -> None:
     index, nodes, directory = cluster
-    ns = make_namespace()
-    puts, tokens = make_puts(ns, 4, seed=11)
-    keys = [p.key for p in puts]
-    ClusterStore("node-a", index, directory.__getitem__, FAST).batch_put(ns, puts[:3])
+    ns, puts, tokens, keys = on_node_a(cluster, 4, seed=11, held=3)
     looker = ClusterStore("node-a", index, directory.__getitem__, FAST)
     hit, lease = looker.lease_prefix(ns, keys)
     assert hit.num_blocks == 3 and hit.holders == [["node-a"]] * 3 and lease is not None
@@ -61,10 +68,7 @@ def test_a_lookups_lease_is_read_under_and_then_ended(cluster) -> None:
 
 def test_a_stale_lease_is_replaced_and_an_unused_one_released(cluster) -> None:
     index, nodes, directory = cluster
-    ns = make_namespace()
-    puts, tokens = make_puts(ns, 2, seed=12)
-    keys = [p.key for p in puts]
-    ClusterStore("node-a", index, directory.__getitem__, FAST).batch_put(ns, puts)
+    ns, _, tokens, keys = on_node_a(cluster, 2, seed=12)
     store = ClusterStore("node-a", index, directory.__getitem__, FAST)
     _, lease = store.lease_prefix(ns, keys)
     assert lease is not None
@@ -83,10 +87,7 @@ def test_a_stale_lease_is_replaced_and_an_unused_one_released(cluster) -> None:
 
 def test_a_remote_reader_gets_no_lease_and_the_index_answers(cluster) -> None:
     index, nodes, directory = cluster
-    ns = make_namespace()
-    puts, tokens = make_puts(ns, 2, seed=13)
-    keys = [p.key for p in puts]
-    ClusterStore("node-a", index, directory.__getitem__, FAST).batch_put(ns, puts)
+    ns, _, _, keys = on_node_a(cluster, 2, seed=13)
     hit, lease = ClusterStore("node-b", index, directory.__getitem__, FAST).lease_prefix(ns, keys)
     assert hit.num_blocks == 2 and hit.holders == [["node-a"]] * 2 and lease is None
     assert no_leases_left(nodes["node-a"][1])
