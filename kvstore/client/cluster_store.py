@@ -137,9 +137,8 @@ class ClusterStore:
         if client is None or not (client.same_node and client.has_bulk):
             return self.lookup_prefix(namespace, keys), None
         granted = time.monotonic()
-        try:
-            info = client.lease(keys, self.lease_ttl_s, namespace=namespace, files=True)
-        except (KVStoreError, OSError):
+        info = client.lease_here(keys, self.lease_ttl_s, namespace=namespace, files=True)
+        if info is None:  # refused or failed: the yes/no lookup, which never waits either
             return self.lookup_prefix(namespace, keys), None
         held = {loc.key for loc in info.locations}
         here = next((i for i, k in enumerate(keys) if k not in held), len(keys))

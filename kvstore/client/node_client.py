@@ -37,6 +37,7 @@ from kvstore.client.verify_pool import verify_landed
 from kvstore.config import ClientConfig
 from kvstore.errors import (
     KVStoreError,
+    NodeUnavailable,
     Overloaded,
 )
 from kvstore.keys import Namespace
@@ -340,8 +341,18 @@ class StoreNodeClient:
         return read_under_lease(self, keys, namespace, read, files=files, held=held)
 
     # -- leases -----------------------------------------------------------------------------
+    def lease_here(self, keys: Sequence[bytes], ttl_s: float, *, namespace: Namespace,
+                   files: bool = False) -> LeaseInfo | None:
+        """``lease`` over the bulk channel only: None when there is none or it failed or the
+        node refused (at its lease limit, say), so a lookup never waits on gRPC's retries."""
+        try:
+            return self.lease(keys, ttl_s, namespace=namespace, files=files, bulk_only=True)
+        except (KVStoreError, OSError):
+            return None
+
     def lease(self, keys: Sequence[bytes], ttl_s: float, *,
-              namespace: Namespace | None = None, files: bool = False) -> LeaseInfo:
+              namespace: Namespace | None = None, files: bool = False,
+              bulk_only: bool = False) -> LeaseInfo:
         """Pin the held ``keys`` on the node for ``ttl_s`` seconds (absent ones are listed;
         the node clamps ``ttl_s`` to ``server.max_lease_ttl_s``). ``namespace``: as in
         ``get_blocks``. ``files``: disk blocks may come back as files (``file_reads``).
@@ -356,6 +367,8 @@ class StoreNodeClient:
             packed=True)
         try:
             resp = self._bulk_call("Lease", request, pb.LeaseResponse)
+            if resp is None and bulk_only:
+                raise NodeUnavailable(f"{self.address}: no lease on the bulk channel")
             if resp is None:
                 resp = self._unary(self._stub.Lease, request)
         except BaseException:

@@ -12,6 +12,7 @@ import torch
 
 from kvstore.api import FetchedBlock
 from kvstore.client.cluster_store import ClusterStore
+from kvstore.errors import Overloaded
 from tests.client.test_cluster_store import FAST, cluster, make_puts  # noqa: F401 - fixture
 from tests.node.test_store_server import make_namespace
 
@@ -91,3 +92,22 @@ def test_a_remote_reader_gets_no_lease_and_the_index_answers(cluster) -> None:
     hit, lease = ClusterStore("node-b", index, directory.__getitem__, FAST).lease_prefix(ns, keys)
     assert hit.num_blocks == 2 and hit.holders == [["node-a"]] * 2 and lease is None
     assert no_leases_left(nodes["node-a"][1])
+
+
+def test_a_node_at_its_lease_limit_answers_the_lookup_without_a_lease_and_at_once(
+        cluster) -> None:
+    """A refused lease is asked once, never retried inside a lookup (vLLM's scheduler would
+    stall on gRPC's busy retries for up to ``client.timeout_s``): the yes/no lookup answers."""
+    index, nodes, directory = cluster
+    ns, _, _, keys = on_node_a(cluster, 2, seed=14)
+    refusals = []
+
+    def refuse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        refusals.append(args)
+        raise Overloaded("the node holds as many leases as it allows")
+
+    nodes["node-a"][1].lease = refuse  # as LeaseTable.check_room refuses a credential
+    store = ClusterStore("node-a", index, directory.__getitem__, FAST)
+    hit, lease = store.lease_prefix(ns, keys)
+    assert hit.num_blocks == 2 and lease is None and len(refusals) == 1
+    store.close()
