@@ -100,7 +100,7 @@ class ClusterStore:
         here = answered or 0
         if here:
             self.view.remember(keys[known:known + here], [[self.local_node_id]] * here)
-        if answered is not None and self.sole.alone():  # no other node the index could name
+        if answered is not None and self.sole.alone_now():  # no other node the index could name
             if self.view.ttl_s > 0:
                 return self.view.lookup_prefix(keys[:known + here])  # from memory
             return PrefixHit(here, [[self.local_node_id]] * here)
@@ -148,7 +148,7 @@ class ClusterStore:
         if here:
             self.view.remember(keys[:here], [[self.local_node_id]] * here)
         rest = PrefixHit(0, [])
-        if here < len(keys) and not self.sole.alone():
+        if here < len(keys) and not self.sole.alone_now():
             with contextlib.suppress(Exception):  # the index down: this node's run only
                 rest = self.view.lookup_prefix(keys[here:])
         return PrefixHit(here + rest.num_blocks,
@@ -219,6 +219,7 @@ class ClusterStore:
         mapping, which a fresh process (a new vLLM instance) would otherwise pay inside its
         first request. Whether it worked; a node that cannot be reached is left for the first
         read to report and route around."""
+        self.sole.refresh()  # the first lookup then knows whether to ask the index
         try:
             self._client(self.local_node_id).warm_up()
         except (KVStoreError, OSError) as exc:
@@ -348,10 +349,8 @@ class ClusterStore:
 
     # -- internals --------------------------------------------------------------------------
     def _push_loop(self) -> None:
-        self.sole.refresh()
         while not self._closed.wait(reader_metrics.FLUSH_INTERVAL_S):
             self.flush_metrics(resolve=False)
-            self.sole.refresh()
 
     def _fetch_rounds(self, namespace: Namespace, keys: list[bytes],
                       token_ids: Sequence[TokenIds], out: torch.Tensor | DeviceRows,

@@ -4,10 +4,12 @@ A lookup asks this host's node for the leading run of blocks it holds, then the 
 rest. On a cluster whose only store node is this one (the single-machine default, a laptop, one
 GPU box) the index can name no other holder, so that second round trip (a Ray actor call for the
 coordinator's index, about a millisecond on a busy host) buys nothing. ``SoleNode`` keeps the
-answer from the coordinator's directory, refreshed in the background; an answer older than
-``2 * max_age_s``, a directory that fails or one that cannot list its nodes all count as "not
-alone", so the index is asked as before. A node that joined since the last refresh is missed
-for at most ``max_age_s``: a lookup that stops short (a miss), never a wrong block.
+answer from the coordinator's directory, asked again on the lookup's own thread once it is
+``max_age_s`` old (never from a background thread: a Ray call from a thread that outlives
+``ray.shutdown()`` would start a Ray instance of its own). A directory that fails or that
+cannot list its nodes counts as "not alone", so the index is asked as before. A node that
+joined since the last answer is missed for at most ``max_age_s``: a lookup that stops short (a
+miss), never a wrong block.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-#: How often the answer is refreshed (the client's background thread asks the directory).
-MAX_AGE_S = 5.0
+#: How old an answer may be before a lookup asks the directory again (one call per this long).
+MAX_AGE_S = 10.0
 
 
 class SoleNode:
@@ -45,6 +47,11 @@ class SoleNode:
             fresh = (self._checked_at is not None
                      and self._clock() - self._checked_at <= 2 * self.max_age_s)
             return fresh and self._alone
+
+    def alone_now(self) -> bool:
+        """``alone()``, asking the directory first if the answer is ``max_age_s`` old."""
+        self.refresh()
+        return self.alone()
 
     def refresh(self, *, if_older: bool = True) -> None:
         """Ask the directory again (``if_older``: only once ``max_age_s`` has passed)."""

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from kvstore import reader_metrics
 from kvstore.api import MISS_NOT_FOUND, FetchedBlock, Miss, NodeAddress
 from kvstore.client.cluster_store import ClusterStore
 from kvstore.config import ClientConfig, ServerConfig
@@ -188,3 +189,21 @@ def test_a_sole_node_answers_the_whole_lookup_and_a_second_node_brings_the_index
         hit = reader.lookup_prefix(ns, keys)
         assert hit.num_blocks == 4 and counted.asked == [keys[2:]]
         reader.close()
+
+
+def test_the_directory_is_asked_only_on_the_callers_thread(cluster) -> None:
+    """Whether this node is alone is asked on a lookup's own thread, never by the metrics
+    thread: a Ray call from a thread that outlives ``ray.shutdown()`` starts a Ray of its own."""
+    index, _, directory = cluster
+    threads: list[str] = []
+
+    def listing() -> dict:
+        threads.append(threading.current_thread().name)
+        return {"node-a": directory["node-a"]}
+
+    store = ClusterStore("node-a", index, listing, LONG_VIEW)
+    time.sleep(2.5 * reader_metrics.FLUSH_INTERVAL_S)  # the metrics thread's turns come
+    assert threads == []
+    store.lookup_prefix(make_namespace(), [bytes(32)])
+    assert threads and set(threads) == {threading.current_thread().name}
+    store.close()
