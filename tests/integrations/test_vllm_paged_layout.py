@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from kvstore.errors import ConfigError
-from kvstore.integrations.vllm.paged_layout import gather_blocks, layer_cache, scatter_blocks
+from kvstore.integrations.vllm.paged_layout import (
+    consecutive_runs,
+    gather_blocks,
+    layer_cache,
+    scatter_blocks,
+)
 
 NB, BS, H, D, L = 9, 4, 3, 8, 2
 
@@ -62,17 +67,28 @@ def test_gather_reads_each_block_like_plain_indexing(make) -> None:
 
 
 @MAKERS
-def test_scatter_writes_only_the_named_blocks(make) -> None:
+@pytest.mark.parametrize("blocks", [
+    [6, 0, 3],  # not in order: each payload goes to its own block
+    [2, 3, 4, 5],  # one run of consecutive blocks (one slice copy on the CPU layout)
+    [7, 8, 1, 2, 4],  # three runs
+    [8, 6, 4, 2, 0, 1],  # more runs than slice copies are made for (index_copy_)
+], ids=["unordered", "one-run", "runs", "many-runs"])
+def test_scatter_writes_only_the_named_blocks(make, blocks: list[int]) -> None:
     caches = [make() for _ in range(L)]
     before = [c.clone() for c in caches]
     layers = [layer_cache(c, H, D) for c in caches]
-    payloads = torch.randn(3, L, 2, BS, H, D)
-    blocks = [6, 0, 3]  # not in order: each payload goes to its own block
+    payloads = torch.randn(len(blocks), L, 2, BS, H, D)
     scatter_blocks(layers, blocks, payloads)
     for i, (c, old) in enumerate(zip(caches, before, strict=True)):
         for b in range(NB):
             want = payloads[blocks.index(b), i] if b in blocks else reference_block(old, b)
             assert torch.equal(reference_block(c, b), want), (i, b)
+
+
+def test_consecutive_runs_in_payload_order() -> None:
+    assert consecutive_runs([7, 8, 1, 2, 4]) == ((0, 7, 2), (2, 1, 2), (4, 4, 1))
+    assert consecutive_runs([3, 2]) == ((0, 3, 1), (1, 2, 1))  # descending is no run
+    assert consecutive_runs([]) == ()
 
 
 def test_round_trip_between_two_caches() -> None:

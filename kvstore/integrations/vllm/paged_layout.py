@@ -18,9 +18,11 @@ ND layout of ``paged_cache_load``, and the same tensor as ``kv_cache_scatter``'s
 - except on the CPU backend's layout, where a block's rows are per head, K then V, and a payload's
   per position: the operator would first pack each layer's rows into its ``[tokens, hidden]``
   form, a second copy of the whole load, so there each layer is written by one strided copy
-  over the cache's block axis (``index_copy_``): the same bytes in the same places, in one pass
+  over the cache's block axis: the same bytes in the same places, in one pass
   (``tests/integrations/test_vllm_paged_layout.py`` checks both layouts against plain
-  indexing).
+  indexing). A run of payloads bound for consecutive blocks (what vLLM usually allocates a
+  request) is one slice ``copy_``, which runs at about twice the speed of ``index_copy_``'s
+  indexed rows; blocks scattered in many runs take ``index_copy_``.
 
 Backends whose cache is in neither known layout are refused when the caches are registered,
 naming the shape seen, rather than read wrongly.
@@ -111,6 +113,7 @@ class ScatterPlan:
     seq_len: torch.Tensor
     first_block: int = 0
     num_blocks: int = 0
+    runs: tuple[tuple[int, int, int], ...] = ()  # (first payload, first block, length)
 
 
 def plan_scatter(layer: LayerCache, block_ids: Sequence[int]) -> ScatterPlan:
@@ -127,7 +130,25 @@ def plan_scatter(layer: LayerCache, block_ids: Sequence[int]) -> ScatterPlan:
     span = max(block_ids, default=-1) + 1 - first
     lens = torch.zeros(span, dtype=torch.int64)
     lens[ids - first] = layer.key.shape[1]  # the loaded blocks' rows whole, the others none
-    return ScatterPlan(tuple(block_ids), ids, order, lens.clone(), lens, first, span)
+    return ScatterPlan(tuple(block_ids), ids, order, lens.clone(), lens, first, span,
+                       consecutive_runs(block_ids))
+
+
+#: Up to this many runs of consecutive blocks, a CPU-layout write is one slice copy per run.
+MAX_SLICE_RUNS = 4
+
+
+def consecutive_runs(block_ids: Sequence[int]) -> tuple[tuple[int, int, int], ...]:
+    """``(first payload, first block, length)`` of each maximal run of payloads bound for
+    consecutive blocks, in payload order."""
+    runs: list[tuple[int, int, int]] = []
+    for n, block in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == block:
+            start, first, length = runs[-1]
+            runs[-1] = (start, first, length + 1)
+        else:
+            runs.append((n, block, 1))
+    return tuple(runs)
 
 
 def scatter_layer(layer: LayerCache, index: int, plan: ScatterPlan,
@@ -135,8 +156,12 @@ def scatter_layer(layer: LayerCache, index: int, plan: ScatterPlan,
     """Write layer ``index`` of payloads ``[n, L, 2, block_size, H, D]`` into ``layer``."""
     if not plan.block_ids:
         return
-    if layer.blocks is not None:  # CPU: [n, 2, bs, H, D] -> [n, H, 2, bs, D], one strided copy
+    if layer.blocks is not None:  # CPU: [n, 2, bs, H, D] -> [n, H, 2, bs, D], strided copies
         new_kv = payloads[:, index].permute(0, 3, 1, 2, 4)
+        if len(plan.runs) <= MAX_SLICE_RUNS:
+            for start, first, length in plan.runs:
+                layer.blocks[first:first + length].copy_(new_kv[start:start + length])
+            return
         layer.blocks.index_copy_(0, plan.ids.to(layer.blocks.device),
                                  new_kv.to(layer.blocks.device, layer.blocks.dtype))
         return
