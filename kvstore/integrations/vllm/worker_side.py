@@ -83,7 +83,6 @@ class _PendingSave:
         self.transfer = transfer
         self.payloads: torch.Tensor | None = None
         self.lock = threading.Lock()
-
         self.dropped = False  # its blocks may have been overwritten: never put
 
     def gather(self, layers: Sequence[LayerCache]) -> torch.Tensor:
