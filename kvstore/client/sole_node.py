@@ -2,13 +2,13 @@
 
 A lookup asks this host's node for the leading run of blocks it holds, then the index for the
 rest. On a cluster whose only store node is this one (the single-machine default, a laptop, one
-GPU box) the index can name no other holder, so that second round trip (a Ray actor call for the
-coordinator's index) buys nothing. ``SoleNode`` keeps the answer from the coordinator's
-directory, asked again on the lookup's own thread once it is ``max_age_s`` old (never from a background thread: a Ray call from a thread that outlives
-``ray.shutdown()`` would start a Ray instance of its own). A directory that fails or that
-cannot list its nodes counts as "not alone", so the index is asked as before. A node that
-joined since the last answer is missed for at most ``max_age_s``: a lookup that stops short (a
-miss), never a wrong block.
+GPU box) the index can name no other holder, so that second round trip (a Ray actor call for
+the coordinator's index) buys nothing. ``SoleNode`` keeps the answer from the coordinator's
+directory, asked again on the lookup's own thread once it is ``max_age_s`` old (never from a
+background thread: a Ray call from a thread that outlives ``ray.shutdown()`` would start a Ray
+instance of its own). A directory that fails or that cannot list its nodes counts as "not
+alone", so the index is asked as before. A node that joined since the last answer is missed for
+at most ``max_age_s``: a lookup that stops short (a miss), never a wrong block.
 """
 
 from __future__ import annotations
