@@ -24,9 +24,11 @@ plumbing, not figures).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ from benchmarks.common import parse_args, report
 from benchmarks.transfer_support import start_node_process
 from kvstore.api import FetchedBlock, Miss, NodeAddress, PrefixHit, TokenIds
 from kvstore.block import block_nbytes
+from kvstore.client import strided_copy
 from kvstore.client.cluster_store import ClusterStore
 from kvstore.config import ClientConfig, WorkerConfig
 from kvstore.index.base import IndexEntry
@@ -173,11 +176,16 @@ def _measure(model: CausalLM, cfg: WorkerConfig, stores: dict[str, ClusterStore]
     # Where a warm run resumes: the last cached block, or earlier where the probe found no
     # piece size that small exact on this device (then a chunk boundary).
     expected = writer.resume_point(nb * bs, num_tokens)
-    for name, store in stores.items():
+    # Same-node reads also without layered copies (block after block, the cache built before
+    # the forward), to show what computing as layers land is worth.
+    runs = [("samenode", stores["samenode"], True), ("samenode_by_block", stores["samenode"],
+                                                      False), ("remote", stores["remote"], True)]
+    for name, store, layered in runs:
         best: PrefillResult | None = None
         for i in range(repeats + 1):  # the first is the untimed warm-up
             engine = Engine(model, store, cfg)
-            warm = ttft(engine, tokens, f"{name}-{i}")
+            with layered_copies(layered):
+                warm = ttft(engine, tokens, f"{name}-{i}")
             engine.close()
             assert warm.cached_tokens == expected, \
                 f"{name}: {warm.cached_tokens} tokens cached (expected {expected}), " \
@@ -212,6 +220,21 @@ def _measure(model: CausalLM, cfg: WorkerConfig, stores: dict[str, ClusterStore]
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+@contextlib.contextmanager
+def layered_copies(on: bool) -> Iterator[None]:
+    """Same-node reads copy layer after layer (the default where the CUDA runtime allows) or,
+    with ``on`` False, block after block (``KVSTORE_LAYERED_COPIES=0``)."""
+    old = os.environ.get("KVSTORE_LAYERED_COPIES")
+    os.environ["KVSTORE_LAYERED_COPIES"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["KVSTORE_LAYERED_COPIES"]
+        else:
+            os.environ["KVSTORE_LAYERED_COPIES"] = old
 
 
 def _best(model: CausalLM, cfg: WorkerConfig, store: PinnedBlocks, tokens: list[int],
@@ -261,7 +284,8 @@ def main() -> None:
     capacity = sum(lengths) * kv_per_token * 3 // 2 + (256 << 20)
     proc, node = start_node_process(capacity, "gpu-bench", max_workers=8)
     figures: dict[str, Any] = {"device": torch.cuda.get_device_name(device) if gpu else "cpu",
-                               "model_load_s": load_s, "numerics": model.numerics}
+                               "model_load_s": load_s, "numerics": model.numerics,
+                               "layered_copies": float(gpu and strided_copy.available())}
     try:
         probe = Engine(model, None, config)
         probe.prefill([7] * 600, sampling=FIRST_TOKEN)  # warm-up
@@ -279,6 +303,8 @@ def main() -> None:
             figures[f"ratio_cold_vs_warm_remote_ttft_{label}"] = \
                 got["cold_ttft_s"] / got["warm_ttft_remote_s"]
             figures[f"ratio_warm_vs_floor_{label}"] = warm / got["floor_ttft_s"]
+            figures[f"ratio_warm_by_block_vs_floor_{label}"] = \
+                got["warm_ttft_samenode_by_block_s"] / got["floor_ttft_s"]
             figures[f"ratio_warm_remote_vs_floor_{label}"] = \
                 got["warm_ttft_remote_s"] / got["floor_ttft_s"]
         figures["outputs_equal"] = float(equal)
@@ -299,6 +325,9 @@ def main() -> None:
             (f"{label}: warm TTFT same node (ms)",
              f"{figures[f'warm_ttft_samenode_s_{label}'] * 1e3:.1f}",
              f"cold/warm {figures[f'ratio_cold_vs_warm_ttft_{label}']:.1f}x"),
+            (f"{label}: warm TTFT same node, copied block after block (ms)",
+             f"{figures[f'warm_ttft_samenode_by_block_s_{label}'] * 1e3:.1f}",
+             f"vs floor {figures[f'ratio_warm_by_block_vs_floor_{label}']:.2f}x"),
             (f"{label}: warm TTFT over the bulk channel (ms)",
              f"{figures[f'warm_ttft_remote_s_{label}'] * 1e3:.1f}",
              f"cold/warm {figures[f'ratio_cold_vs_warm_remote_ttft_{label}']:.1f}x"),
@@ -325,6 +354,8 @@ def main() -> None:
                 "ratio_kv_cache_scatter_vs_index_copy_gpu"):
         if key in figures:
             rows.append((key, f"{figures[key]:.2f}x", ">= 0.8x"))
+    rows.append(("same-node copies layer after layer", str(bool(figures["layered_copies"])),
+                 "KVSTORE_LAYERED_COPIES"))
     rows.append(("reuse probe verdict", figures["reuse_piece_sizes"], figures["reuse_policy"]))
     for n in lengths:
         label = f"{n // 1024}k" if gpu else str(n)

@@ -9,6 +9,8 @@ suspect away:
   engine for every run or a fresh engine per run (as the warm runs are timed);
 - ``warm``: a same-node read as ``bench_gpu`` times it (a fresh engine per run);
 - ``warm_reused``: one engine for every run;
+- ``by_block``: copies block after block, the cache built before the forward (no layered
+  copies: ``KVSTORE_LAYERED_COPIES=0``);
 - ``verify_first``: the verdicts awaited before any compute (no verification beside it);
 - ``host_checks``: payload checksums on the host beside the forward, as where the device
   cannot (``KVSTORE_DEVICE_CHECKSUM=0``), not on the device;
@@ -45,7 +47,7 @@ import torch
 from benchmarks.bench_gpu import FIRST_TOKEN, PinnedBlocks, _cold_cache, only, sync
 from benchmarks.transfer_support import start_node_process
 from kvstore.block import block_nbytes
-from kvstore.client import device_checksum, device_reads
+from kvstore.client import device_checksum, device_reads, strided_copy
 from kvstore.client.cluster_store import ClusterStore
 from kvstore.client.device_copy import DeviceRows
 from kvstore.client.early_fetch import EarlyFetch
@@ -73,6 +75,7 @@ POINTS: tuple[tuple[str, Any, str], ...] = (
     ("headers", device_reads, "_check_headers"),
     ("device_sums", device_reads, "_device_verdicts"),
     ("cache", prefill_decode, "prefill_cache"),
+    ("layer_copies", DeviceRows, "copy_runs_by_layer"),
     ("chunks", ChunkLoop, "run"),
     ("forward", CausalLM, "forward"),
     ("verdicts", EarlyFetch, "result"),
@@ -143,6 +146,8 @@ def variant_patches(name: str) -> contextlib.AbstractContextManager[Any]:
                                     _verify_first(BlockIO._fetch_early)))
     elif name == "host_checks":
         stack.enter_context(patched(device_checksum, "usable", lambda device: False))
+    elif name == "by_block":
+        stack.enter_context(patched(strided_copy, "available", lambda: False))
     elif name == "gc_off":
         gc.disable()
         stack.callback(gc.enable)
@@ -184,8 +189,8 @@ def prepare(model: CausalLM, config: WorkerConfig, node: Any, num_tokens: int) -
                  writer.resume_point(nb * cfg.block_size, num_tokens))
 
 
-VARIANTS = ("floor", "floor_fresh", "warm", "warm_reused", "verify_first", "host_checks",
-            "gc_off", "remote")
+VARIANTS = ("floor", "floor_fresh", "warm", "warm_reused", "by_block", "verify_first",
+            "host_checks", "gc_off", "remote")
 
 
 def run_variant(setup: Setup, name: str, repeats: int) -> dict[str, Any]:
@@ -193,7 +198,8 @@ def run_variant(setup: Setup, name: str, repeats: int) -> dict[str, Any]:
     run's phases."""
     store: Any = setup.floor if name.startswith("floor") else \
         setup.stores["remote" if name == "remote" else "samenode"]
-    fresh = name in ("floor_fresh", "warm", "verify_first", "host_checks", "gc_off", "remote")
+    fresh = name in ("floor_fresh", "warm", "by_block", "verify_first", "host_checks", "gc_off",
+                     "remote")
     shared = None if fresh else Engine(setup.model, store, setup.config)
     runs: list[tuple[float, dict[str, tuple[float, float]]]] = []
     with variant_patches(name):

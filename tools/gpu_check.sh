@@ -50,11 +50,13 @@ failed=()
 
 step diagnose "${DIAGNOSE_S:-60}" "$PY" -m tools.gpu_diagnose --json "$OUT/diagnose.json"
 step bench_gpu "${BENCH_S:-200}" "$PY" -m benchmarks.bench_gpu --json "$OUT/bench_gpu.json"
-step breakdown "${BREAKDOWN_S:-120}" "$PY" -m tools.gpu_breakdown --json "$OUT/breakdown.json"
+step breakdown "${BREAKDOWN_S:-120}" "$PY" -m tools.gpu_breakdown --json "$OUT/breakdown.json" \
+  ${BREAKDOWN_ARGS:-}
 step pytest_gpu "${PYTEST_S:-120}" "$PY" -m pytest -p no:cacheprovider -q -m gpu -rfE \
   tests/ops/test_operators_gpu.py tests/workers/engine/test_engine_gpu.py tests/client/test_device_reads.py \
   tests/client/test_device_checksum.py \
-  tests/client/test_cluster_store_device.py tests/workers/engine/test_engine_nodes.py
+  tests/client/test_cluster_store_device.py tests/workers/engine/test_engine_nodes.py \
+  tests/client/test_layered_copies.py tests/workers/model/test_layer_fed_cache.py
 if [ "${#failed[@]}" -gt 0 ]; then
   echo "gpu_check: failed: ${failed[*]} (logs in $OUT)" >&2
   exit 1

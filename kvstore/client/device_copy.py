@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from kvstore.client import device_checksum
+from kvstore.client import device_checksum, strided_copy
 from kvstore.constants import align_up
 from kvstore.keys import Namespace
 
@@ -67,10 +67,13 @@ class DeviceRows:
     is ``row_nbytes`` rounded up to the arena's 64-byte extent alignment, so a run of blocks
     an arena holds back to back lands in consecutive rows with one copy (``copy_run``).
 
-    CUDA: copies run on a side stream and may still be running until ``wait()`` returns.
-    ``dst`` is allocated on that side stream, so the caching allocator hands it memory no
-    other stream's queued work still reads, and the copies never wait for the caller's stream
-    (another request's forward); ``payloads`` marks the rows as used by the caller's stream.
+    CUDA: copies run on the device's copy stream (``copy_stream``, one per device, shared by
+    every read) and may still be running until ``wait()`` returns. ``dst`` is allocated on
+    that stream, so the caching allocator hands it memory no other stream's queued work still
+    reads, and the copies never wait for the caller's stream (another request's forward);
+    ``payloads`` marks the rows as used by the caller's stream. One stream for every read,
+    not one per read, lets the allocator give a read the rows a finished read freed instead
+    of fresh device memory each time.
     """
 
     def __init__(self, device: torch.device, num_rows: int, row_nbytes: int, *,
@@ -87,7 +90,7 @@ class DeviceRows:
         self._stream: Any = None
         self._np: np.ndarray | None = None
         if self.is_cuda:
-            self._stream = torch.cuda.Stream(device=device)
+            self._stream = copy_stream(device)
             with torch.cuda.stream(self._stream):
                 self.dst = torch.empty((num_rows, self.row_stride), dtype=torch.uint8,
                                        device=device)
@@ -112,6 +115,49 @@ class DeviceRows:
             return
         with torch.cuda.stream(self._stream):
             self.dst.view(-1)[start:start + src.numel()].copy_(src, non_blocking=True)
+
+    def copy_runs_by_layer(self, runs: Sequence[tuple[int, torch.Tensor, int]], first: int,
+                           layer_nbytes: int, num_layers: int) -> list[Any] | None:
+        """Copy runs of blocks (``(row, src, count)``: ``count`` blocks laid out ``row_stride``
+        apart from ``src``'s start, as ``copy_run`` takes them) layer after layer: layer ``l``
+        (bytes ``first + l * layer_nbytes`` onwards of each block, ``layer_nbytes`` long) of
+        every run before layer ``l + 1`` of any. Returns a mark after each layer (CUDA), so a
+        forward can start on the first layers while the rest are in flight; None where 2-D
+        copies cannot be issued here (nothing was copied: copy block after block instead).
+        The CPU copies the same bytes in the same order (marks None)."""
+        width, pitch = layer_nbytes, self.row_stride
+        for row, src, count in runs:
+            end = row * pitch + (count - 1) * pitch + first + num_layers * width
+            if end > self.dst.numel() or src.numel() < (count - 1) * pitch + first + \
+                    num_layers * width:
+                raise ValueError(f"a run of {count} blocks from row {row} does not fit")
+        if self._np is not None:
+            flat = self._np.reshape(-1)
+            for layer in range(num_layers):
+                lo = first + layer * width
+                for row, src, count in runs:
+                    src_np = src.numpy()
+                    for b in range(count):
+                        at = (row + b) * pitch + lo
+                        flat[at:at + width] = src_np[b * pitch + lo:b * pitch + lo + width]
+            return [None] * num_layers
+        if not strided_copy.available():
+            return None
+        marks: list[Any] = []
+        base = self.dst.data_ptr()
+        try:
+            with torch.cuda.device(self.device):  # the runtime's current device: the stream's
+                for layer in range(num_layers):
+                    lo = first + layer * width
+                    for row, src, count in runs:
+                        strided_copy.copy_2d(base + row * pitch + lo, pitch,
+                                             src.data_ptr() + lo, pitch, width, count,
+                                             self._stream)
+                    marks.append(self.mark())
+        except RuntimeError as exc:  # logged as text: the exception would keep the arena views
+            log.warning("%s", str(exc))
+            return None
+        return marks
 
     def copy_rows(self, stage: torch.Tensor, src_rows: Sequence[int], dst_rows: Sequence[int],
                   cols: slice) -> None:
@@ -140,11 +186,12 @@ class DeviceRows:
                 self.dst[to, :width] = scratch[torch.as_tensor(list(src_rows),
                                                                device=self.device), cols]
 
-    def issued(self, rows: Sequence[int]) -> None:
+    def issued(self, rows: Sequence[int], layer_marks: list[Any] | None = None) -> None:
         """The copies of ``rows`` are issued, their verification still running: tell an
-        ``early`` listener (with a mark after the copies) that it may start using them."""
+        ``early`` listener (with a mark after the copies, and ``layer_marks`` where the copies
+        went layer after layer) that it may start using them."""
         if self.early is not None:
-            self.early.offer(rows, self.mark())
+            self.early.offer(rows, self.mark(), layer_marks)
 
     def checksums(self, rows: Sequence[int], offset: int, nbytes: int) -> np.ndarray:
         """XXH3-64 of ``nbytes`` at ``offset`` in each of ``rows``, computed where the rows are,
@@ -184,6 +231,15 @@ class DeviceRows:
         if self._stream is not None:
             self._stream.synchronize()
 
+    def blocks(self, namespace: Namespace, num_rows: int) -> torch.Tensor:
+        """Rows ``0..num_rows-1`` as one block-major ``[n, L, 2, bs, H, D]`` view (strided by
+        the row stride; no copy); on CUDA the rows are then in use by the caller's stream."""
+        if self._stream is not None:
+            self.dst.record_stream(torch.cuda.current_stream(self.device))
+        start = self.payload_offset
+        return self.dst[:num_rows, start:start + namespace.payload_nbytes] \
+            .view(namespace.torch_dtype).unflatten(1, namespace.payload_shape)
+
     def payloads(self, namespace: Namespace) -> tuple[torch.Tensor, ...]:
         """Each row's payload as a ``[L, 2, bs, H, D]`` tensor of the namespace's dtype
         (views); on CUDA the rows are then in use by the caller's current stream."""
@@ -217,12 +273,16 @@ class EarlyRows:
         self._lock = threading.Lock()
         self.rows: frozenset[int] = frozenset()
         self.mark: Any = None
+        #: Where the copies went layer after layer: a mark after each layer.
+        self.layer_marks: list[Any] | None = None
 
-    def offer(self, rows: Sequence[int], mark: Any) -> None:
+    def offer(self, rows: Sequence[int], mark: Any, layer_marks: list[Any] | None = None
+              ) -> None:
         """The first offer counts: later groups (other nodes) arrive verified anyway."""
         with self._lock:
             if not self._ready.is_set():
                 self.rows, self.mark = frozenset(rows), mark
+                self.layer_marks = layer_marks
                 self._ready.set()
 
     def close(self) -> None:
@@ -237,10 +297,11 @@ class EarlyRows:
         """Give the caller a moment to take the offered rows (bounded by ``TAKE_WAIT_S``)."""
         self._taken.wait(self.TAKE_WAIT_S)
 
-    def wait(self, timeout: float | None = None) -> tuple[frozenset[int], Any]:
+    def wait(self, timeout: float | None = None
+             ) -> tuple[frozenset[int], Any, list[Any] | None]:
         self._ready.wait(timeout)
         with self._lock:
-            return self.rows, self.mark
+            return self.rows, self.mark, self.layer_marks
 
 
 class StagingPool:
@@ -280,6 +341,13 @@ class StagingPool:
         """Drop the idle buffers (pinned ones go back to torch's host allocator)."""
         with self._lock:
             self._idle = []
+
+
+@functools.cache
+def copy_stream(device: torch.device) -> Any:
+    """The side stream every read into ``device`` copies on (one per device, for the life of
+    the process)."""
+    return torch.cuda.Stream(device=device)
 
 
 @functools.cache

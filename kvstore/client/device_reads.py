@@ -135,14 +135,15 @@ def _direct(reader: ShmReader, locs: list[BlockLocation | None], keys: list[byte
             tokens: Sequence[Any], namespace: Namespace, sink: DeviceRows, rows: Sequence[int],
             keep_alive: Callable[[], None]) -> list[Any]:
     """Copy the leased blocks straight from the arena to their rows while verifying the arena
-    bytes (CUDA: one copy per run of adjacent blocks, all issued up front, verification
-    overlapping the DMA)."""
+    bytes (CUDA: one copy per run of adjacent blocks, or per layer of each run for a caller
+    that computes as layers land, all issued up front, verification overlapping the DMA)."""
     nbytes = block_nbytes(namespace)
     early = sink.is_cuda  # a DMA runs beside the host; a CPU copy would only take a thread
     # Rows of whole blocks take runs of adjacent blocks in one copy; rows of payloads only
     # (payload_offset 0) take each block's payload.
     skip = 0 if sink.payload_offset else payload_offset(namespace)
     on_device = early and _checks_on_device(namespace, sink)
+    by_layer = sink.early is not None and namespace.payload_nbytes % namespace.num_layers == 0
 
     def one(j: int) -> Any:
         keep_alive()
@@ -161,12 +162,10 @@ def _direct(reader: ShmReader, locs: list[BlockLocation | None], keys: list[byte
         if early:
             runs = _runs(locs, rows, nbytes, sink.row_stride) if not skip else \
                 [(j, 1) for j, loc in enumerate(locs) if loc is not None and loc.nbytes == nbytes]
-            for first, count in runs:
-                loc = locs[first]
-                assert loc is not None
-                sink.copy_run(rows[first], reader.tensor(
-                    loc.offset + skip, (count - 1) * sink.row_stride + nbytes - skip))
-            sink.issued([rows[j] for first, count in runs for j in range(first, first + count)])
+            layer_marks = _issue_copies(reader, locs, runs, rows, sink, namespace, skip,
+                                        by_layer)
+            sink.issued([rows[j] for first, count in runs for j in range(first, first + count)],
+                        layer_marks)
             if sink.early is not None:
                 sink.early.wait_taken()  # the caller starts computing before we check
         verdicts: list[Any] | None = None
@@ -184,6 +183,27 @@ def _direct(reader: ShmReader, locs: list[BlockLocation | None], keys: list[byte
     finally:
         sink.wait()  # nothing reads the arena once the caller may release the lease
     return verdicts
+
+
+def _issue_copies(reader: ShmReader, locs: list[BlockLocation | None],
+                  runs: list[tuple[int, int]], rows: Sequence[int], sink: DeviceRows,
+                  namespace: Namespace, skip: int, by_layer: bool) -> list[Any] | None:
+    """Issue the copies of ``runs`` (``(first, count)`` blocks) to their rows; a mark per layer
+    where they went layer after layer. The arena views live only in this frame: a rejection
+    raised later keeps ``_direct``'s frame, and no view may keep the arena's mapping open."""
+    nbytes = block_nbytes(namespace)
+    sources = [(rows[first], reader.tensor(
+        locs[first].offset + skip,  # type: ignore[union-attr]
+        (count - 1) * sink.row_stride + nbytes - skip), count) for first, count in runs]
+    # Whole-block rows go layer after layer where they can, so the forward's first layers need
+    # not wait for the last block (``DeviceRows.copy_runs_by_layer``).
+    layer_marks = None if skip or not by_layer else sink.copy_runs_by_layer(
+        sources, sink.payload_offset, namespace.payload_nbytes // namespace.num_layers,
+        namespace.num_layers)
+    if layer_marks is None:
+        for row, src, _ in sources:
+            sink.copy_run(row, src)
+    return layer_marks
 
 
 def _checks_on_device(namespace: Namespace, sink: DeviceRows) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +36,22 @@ Read = Callable[[Namespace, list[bytes], Sequence[TokenIds], DeviceRows],
                 list[FetchedBlock | Miss]]
 
 
+@dataclass(frozen=True, slots=True)
+class LayerFeed:
+    """Leading blocks whose copies went layer after layer: ``blocks`` is their
+    ``[n, L, 2, bs, H, D]`` view, and layer ``l`` of every block has landed once ``marks[l]``
+    has (CUDA events on the copy stream; None: already there)."""
+
+    blocks: torch.Tensor
+    marks: list[Any]
+
+    def wait_layer(self, layer: int) -> None:
+        """Order the caller's current stream after layer ``layer``'s copies."""
+        mark = self.marks[layer]
+        if mark is not None:
+            torch.cuda.current_stream(self.blocks.device).wait_event(mark)
+
+
 class EarlyFetch:
     """One batch read into ``sink`` on a thread of its own, its rows usable as they arrive."""
 
@@ -44,6 +61,8 @@ class EarlyFetch:
         self.sink = sink
         self.early = sink.early = EarlyRows()
         self._result: list[FetchedBlock | Miss] | None = None
+        #: Set by ``leading(by_layer=True)`` where the blocks arrive layer after layer.
+        self.feed: LayerFeed | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(read, keys, token_ids),
                                         daemon=True, name="kvstore-early-fetch")
@@ -57,11 +76,16 @@ class EarlyFetch:
         finally:
             self.early.close()
 
-    def leading(self) -> tuple[list[torch.Tensor], bool]:
+    def leading(self, by_layer: bool = False) -> tuple[list[torch.Tensor], bool]:
         """The payloads of the leading blocks usable now, ordered after their copies on the
         caller's current stream, and whether they are verified already (False: offered
-        early, ``result`` says which are good)."""
-        rows, mark = self.early.wait()
+        early, ``result`` says which are good).
+
+        ``by_layer``: where the copies went layer after layer, order nothing yet and set
+        ``feed`` instead (the leading blocks as one view and a mark per layer): the caller
+        must then wait for layer ``l``'s mark before it reads layer ``l`` of any block, and
+        must not read the payloads returned here otherwise."""
+        rows, mark, layer_marks = self.early.wait()
         if not self._thread.is_alive() or not rows:
             self._thread.join()
             if self._error is not None or self._result is None:
@@ -70,7 +94,9 @@ class EarlyFetch:
         n = 0
         while n in rows:
             n += 1
-        if mark is not None:  # CUDA: the caller's work waits on the GPU, not the host
+        if by_layer and layer_marks is not None:
+            self.feed = LayerFeed(self.sink.blocks(self.namespace, n), layer_marks)
+        elif mark is not None:  # CUDA: the caller's work waits on the GPU, not the host
             torch.cuda.current_stream(self.sink.device).wait_event(mark)
         payloads = list(self.sink.payloads(self.namespace)[:n])
         self.early.took()

@@ -38,9 +38,9 @@ from kvstore.ops.row_index import (
     host_arrays,
     host_load_rows,
     host_scatter_rows,
+    recent_block_indices,
     row_layout,
     runs_view,
-    to_device,
     whole_blocks,
 )
 
@@ -253,7 +253,8 @@ def _load_blocks(key_cache: torch.Tensor, value_cache: torch.Tensor, blocks: Any
         out = _check_out(out, shapes, key_cache.dtype, key_cache.device)
     if not num_tokens:
         return out or (key_cache.new_empty(shapes[0]), value_cache.new_empty(shapes[1]))
-    index = to_device(blocks, key_cache.device)
+    # The same table comes once per layer: its device copy is reused (``RecentIndices``).
+    index = recent_block_indices.get(np.asarray(blocks), key_cache.device)
     if out is None:  # index_select's own outputs, seen as tokens: no separate allocation
         return (torch.index_select(key_cache, 0, index).view(shapes[0]),
                 torch.index_select(value_cache, 0, index).view(shapes[1]))

@@ -16,6 +16,9 @@ expanded there with torch ops that need no host values (``repeat_interleave`` gi
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 import torch
@@ -88,6 +91,52 @@ def to_device(index: AnyInts, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":  # implies CUDA is available: pinning needs it
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+class RecentIndices:
+    """The device copies of the last few small indices, by content, for one device each.
+
+    A paged load over a model's layers passes the same block table once per layer, and a decode
+    step passes the table of the step before: copying it to the device every call puts a
+    host-to-device copy, with its fixed latency, in the stream between the gathers. A copy is
+    reused while it is among the ``capacity`` most recent. Used on another stream than the one
+    that copied it, that stream first waits for the copy, and the copy is kept alive for it.
+    """
+
+    def __init__(self, capacity: int = 8, max_elements: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self.max_elements = max_elements
+        self._entries: dict[tuple[torch.device, str, bytes], tuple[torch.Tensor, Any, Any]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, index: AnyInts, device: torch.device) -> torch.Tensor:
+        """``to_device(index, device)``, or the copy a recent call made of the same values."""
+        if device.type != "cuda" or index.size > self.max_elements:
+            return to_device(index, device)
+        key = (device, index.dtype.str, np.ascontiguousarray(index).tobytes())
+        stream = torch.cuda.current_stream(device)
+        with self._lock:
+            hit = self._entries.pop(key, None)
+            if hit is not None:
+                self._entries[key] = hit  # most recent last
+        if hit is not None:
+            tensor, made_on, ready = hit
+            if made_on != stream:
+                stream.wait_event(ready)
+                tensor.record_stream(stream)
+            return tensor
+        tensor = to_device(index, device)
+        ready = torch.cuda.Event()
+        ready.record(stream)
+        with self._lock:
+            self._entries[key] = (tensor, stream, ready)
+            while len(self._entries) > self.capacity:
+                del self._entries[next(iter(self._entries))]
+        return tensor
+
+
+#: Block tables of paged loads (``kvstore.ops.operators``).
+recent_block_indices = RecentIndices()
 
 
 # ----------------------------------------------------------------------------- checks

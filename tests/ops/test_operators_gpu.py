@@ -226,3 +226,42 @@ def test_unchecked_calls_never_synchronise(where, monkeypatch):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     check()
+
+
+def test_a_repeated_block_table_is_copied_to_the_device_once() -> None:
+    """The same table, layer after layer, reuses one device index; another table, or the
+    same one changed in place on the host, gets its own; each load stays exact."""
+    from kvstore.ops.row_index import RecentIndices, recent_block_indices
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    key_cache = torch.randn(12, 16, 2, 8, device=dev)
+    value_cache = torch.randn(12, 16, 2, 8, device=dev)
+    table = torch.tensor([[3, 1, 7, 0]], dtype=torch.int32)
+    lens = torch.tensor([64], dtype=torch.int32)
+    calls: list[object] = []
+    real = RecentIndices.get
+
+    def spy(self, index, device):
+        got = real(self, index, device)
+        calls.append(got)
+        return got
+
+    RecentIndices.get = spy  # type: ignore[method-assign]
+    try:
+        for _ in range(3):
+            k, v = paged_cache_load(key_cache, value_cache, table, lens)
+            assert torch.equal(k, key_cache[[3, 1, 7, 0]].flatten(0, 1))
+        table[0, 0] = 5  # changed in place: a new index, not the cached one
+        k, v = paged_cache_load(key_cache, value_cache, table, lens)
+        assert torch.equal(k, key_cache[[5, 1, 7, 0]].flatten(0, 1))
+        assert torch.equal(v, value_cache[[5, 1, 7, 0]].flatten(0, 1))
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):  # another stream waits for the copy it reuses
+            k, _ = paged_cache_load(key_cache, value_cache, table, lens)
+        side.synchronize()
+        assert torch.equal(k, key_cache[[5, 1, 7, 0]].flatten(0, 1))
+    finally:
+        RecentIndices.get = real  # type: ignore[method-assign]
+    assert calls[0] is calls[1] is calls[2] and calls[3] is not calls[0]
+    assert calls[4] is calls[3]
+    assert len(recent_block_indices._entries) <= recent_block_indices.capacity

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvstore.api import MISS_NODE_UNAVAILABLE, BlockPut, FetchedBlock, KVStore, Miss
+from kvstore.client.early_fetch import LayerFeed
 from kvstore.config import WorkerConfig
 from kvstore.errors import KVStoreError
 from kvstore.keys import Namespace
@@ -30,7 +31,9 @@ class Fetch:
 
     ``confirm`` is set when the payloads were handed over before their verification ended
     (``kvstore.client.early_fetch``): it waits for the verdicts and returns how many of the leading
-    payloads are good; nothing computed from the others may leave the engine.
+    payloads are good; nothing computed from the others may leave the engine. ``feed`` is set
+    when they are still arriving layer after layer: the payloads may then be read only through
+    it (``kvstore.workers.model.layer_fed_cache``).
     """
 
     payloads: list[torch.Tensor] = field(default_factory=list)
@@ -38,6 +41,7 @@ class Fetch:
     bytes_fetched: int = 0
     misses: list[str] = field(default_factory=list)
     confirm: Callable[[], int] | None = None
+    feed: LayerFeed | None = None
 
     def keep(self, num_blocks: int) -> None:
         """Use only the first ``num_blocks`` (the rest cannot be resumed from)."""
@@ -150,8 +154,9 @@ class BlockIO:
         except KVStoreError as exc:
             fetch.misses.append(f"{MISS_NODE_UNAVAILABLE}: {exc}")
             return fetch
-        payloads, verified = handle.leading()
+        payloads, verified = handle.leading(by_layer=True)
         fetch.payloads = payloads
+        fetch.feed = getattr(handle, "feed", None)
         fetch.nodes = [self.store.node_id] * len(payloads)
 
         def confirm() -> int:

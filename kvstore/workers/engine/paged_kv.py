@@ -1,6 +1,8 @@
 """Fetched blocks into a model's per-layer K/V: the two places the store's operators are used.
 
-Prefill writes the blocks it fetched into the request's paged KV with ``kv_cache_scatter``;
+Prefill writes the blocks it fetched into the request's paged KV with ``kv_cache_scatter``
+(or, where they arrive layer after layer on a GPU, each layer straight into the cache as the
+forward reaches it: ``kvstore.workers.model.layer_fed_cache``);
 decode places them in a block-major pool and gathers contiguous K/V with ``paged_cache_load``.
 Both return per-layer ``[T, H, D]`` tensors that ``CausalLM.cache_from_kv`` turns into a cache
 (``prefill_cache``, ``decode_cache``). Everything stays on the payloads' device (the model's);
@@ -20,8 +22,10 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
+from kvstore.client.early_fetch import LayerFeed
 from kvstore.ops.operators import kv_cache_scatter, paged_cache_load
 from kvstore.workers.model.causal_lm import CausalLM
+from kvstore.workers.model.layer_fed_cache import LayerFedCache
 
 
 def _check_payloads(payloads: Sequence[torch.Tensor]) -> tuple[int, int, int, int]:
@@ -82,10 +86,17 @@ def gather_blocks(payloads: Sequence[torch.Tensor]
     return keys, values
 
 
-def prefill_cache(model: CausalLM, payloads: Sequence[torch.Tensor]) -> DynamicCache:
-    """A prefill's cache holding its fetched blocks (in token order; none: an empty cache)."""
+def prefill_cache(model: CausalLM, payloads: Sequence[torch.Tensor],
+                  feed: LayerFeed | None = None) -> DynamicCache:
+    """A prefill's cache holding its fetched blocks (in token order; none: an empty cache).
+
+    ``feed``: the blocks are still arriving layer after layer (a same-node read into a GPU):
+    each layer is filled straight from them as the forward reaches it
+    (``kvstore.workers.model.layer_fed_cache``), the first ``len(payloads)`` blocks."""
     if not payloads:
         return model.new_cache()
+    if feed is not None:
+        return LayerFedCache(LayerFeed(feed.blocks[:len(payloads)], feed.marks), model.config)
     return model.cache_from_kv(*scatter_blocks(payloads))
 
 

@@ -50,6 +50,7 @@ from kvstore.workers.engine.results import DecodeResult, PrefillResult, TailKV
 from kvstore.workers.engine.reuse_policy import ReusePolicy, choose_policy
 from kvstore.workers.engine.tenants import TenantHashers
 from kvstore.workers.model.causal_lm import CausalLM
+from kvstore.workers.model.layer_fed_cache import LayerFedCache
 from kvstore.workers.model.sampling import SamplingParams, pick_token
 
 
@@ -158,10 +159,12 @@ class Engine:
         """The prompt's KV from the fetched blocks on, and its last logits (on the host: the
         device work is done when this returns)."""
         resume = len(fetch.payloads) * self.block_size
-        cache = prefill_cache(self.model, fetch.payloads)
+        cache = prefill_cache(self.model, fetch.payloads, fetch.feed)
         self._requests.hold(request_id, cache)
         logits = self._chunk_loop.run(tokens, resume, cache, check)
         assert logits is not None
+        if isinstance(cache, LayerFedCache):
+            cache.fill_all()  # a forward fills every layer: this only guards the contract
         return resume, cache, logits
 
     def _prefill(self, token_ids: TokenIds, sampling: SamplingParams, request_id: str,
