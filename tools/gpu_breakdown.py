@@ -15,6 +15,8 @@ suspect away:
 - ``host_checks``: payload checksums on the host beside the forward, as where the device
   cannot (``KVSTORE_DEVICE_CHECKSUM=0``), not on the device;
 - ``gc_off``: Python's garbage collector off during the request;
+- ``switch_1ms``: the interpreter's GIL switch interval at 1 ms instead of 5 (the read's
+  thread holds the GIL for shorter spells while the forward launches kernels);
 - ``remote``: over the bulk channel (verified before compute).
 
 For each: the median and best TTFT and, for the median run, when each phase started and how
@@ -37,6 +39,7 @@ import dataclasses
 import gc
 import json
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -148,6 +151,10 @@ def variant_patches(name: str) -> contextlib.AbstractContextManager[Any]:
         stack.enter_context(patched(device_checksum, "usable", lambda device: False))
     elif name == "by_block":
         stack.enter_context(patched(strided_copy, "available", lambda: False))
+    elif name == "switch_1ms":
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(0.001)
+        stack.callback(sys.setswitchinterval, old)
     elif name == "gc_off":
         gc.disable()
         stack.callback(gc.enable)
@@ -190,7 +197,7 @@ def prepare(model: CausalLM, config: WorkerConfig, node: Any, num_tokens: int) -
 
 
 VARIANTS = ("floor", "floor_fresh", "warm", "warm_reused", "by_block", "verify_first",
-            "host_checks", "gc_off", "remote")
+            "host_checks", "gc_off", "switch_1ms", "remote")
 
 
 def run_variant(setup: Setup, name: str, repeats: int) -> dict[str, Any]:
@@ -199,7 +206,7 @@ def run_variant(setup: Setup, name: str, repeats: int) -> dict[str, Any]:
     store: Any = setup.floor if name.startswith("floor") else \
         setup.stores["remote" if name == "remote" else "samenode"]
     fresh = name in ("floor_fresh", "warm", "by_block", "verify_first", "host_checks", "gc_off",
-                     "remote")
+                     "switch_1ms", "remote")
     shared = None if fresh else Engine(setup.model, store, setup.config)
     runs: list[tuple[float, dict[str, tuple[float, float]]]] = []
     with variant_patches(name):
