@@ -42,6 +42,8 @@ class Fetch:
     misses: list[str] = field(default_factory=list)
     confirm: Callable[[], int] | None = None
     feed: LayerFeed | None = None
+    #: What ``fetch``'s ``prepare`` made while the read ran (a cache for the blocks, say).
+    made: Any = None
 
     def keep(self, num_blocks: int) -> None:
         """Use only the first ``num_blocks`` (the rest cannot be resumed from)."""
@@ -96,12 +98,15 @@ class BlockIO:
         return hit
 
     def fetch(self, namespace: Namespace, tokens: list[int], keys: Sequence[bytes],
-              num_blocks: int, *, early: bool = False) -> Fetch:
+              num_blocks: int, *, early: bool = False,
+              prepare: Callable[[int], Any] | None = None) -> Fetch:
         """Fetch the first ``num_blocks`` blocks; keep the leading run of good ones.
 
         ``early``: where the store can (a same-node read into a GPU), hand the payloads over
         as soon as their copies are queued, before verification ends; the caller must then
-        call ``Fetch.confirm`` before anything computed from them leaves it."""
+        call ``Fetch.confirm`` before anything computed from them leaves it. ``prepare``
+        (``num_blocks`` -> anything) runs on this thread while such a read leases and issues
+        its copies on its own; its answer is ``Fetch.made``."""
         fetch = Fetch()
         if num_blocks == 0 or self.store is None:
             return fetch
@@ -111,7 +116,7 @@ class BlockIO:
         early_get = getattr(self.store, "batch_get_early", None)
         if early and not pending and early_get is not None and \
                 self.device.type in ("cpu", "cuda"):
-            return self._fetch_early(early_get, namespace, tokens, keys, num_blocks)
+            return self._fetch_early(early_get, namespace, tokens, keys, num_blocks, prepare)
         wanted = [i for i in range(num_blocks) if i not in pending]
         fetched: dict[int, FetchedBlock | Miss] = {}
         if wanted:
@@ -143,7 +148,8 @@ class BlockIO:
         return fetch
 
     def _fetch_early(self, early_get: Callable[..., Any], namespace: Namespace,
-                     tokens: list[int], keys: Sequence[bytes], num_blocks: int) -> Fetch:
+                     tokens: list[int], keys: Sequence[bytes], num_blocks: int,
+                     prepare: Callable[[int], Any] | None = None) -> Fetch:
         """``fetch`` through the store's early path (``kvstore.client.early_fetch``)."""
         fetch = Fetch()
         assert self.store is not None
@@ -154,6 +160,8 @@ class BlockIO:
         except KVStoreError as exc:
             fetch.misses.append(f"{MISS_NODE_UNAVAILABLE}: {exc}")
             return fetch
+        if prepare is not None:
+            fetch.made = prepare(num_blocks)
         payloads, verified = handle.leading(by_layer=True)
         fetch.payloads = payloads
         fetch.feed = getattr(handle, "feed", None)

@@ -87,16 +87,22 @@ def gather_blocks(payloads: Sequence[torch.Tensor]
 
 
 def prefill_cache(model: CausalLM, payloads: Sequence[torch.Tensor],
-                  feed: LayerFeed | None = None) -> DynamicCache:
+                  feed: LayerFeed | None = None, made: DynamicCache | None = None
+                  ) -> DynamicCache:
     """A prefill's cache holding its fetched blocks (in token order; none: an empty cache).
 
     ``feed``: the blocks are still arriving layer after layer (a same-node read into a GPU):
     each layer is filled straight from them as the forward reaches it
-    (``kvstore.workers.model.layer_fed_cache``), the first ``len(payloads)`` blocks."""
+    (``kvstore.workers.model.layer_fed_cache``), the first ``len(payloads)`` blocks; ``made``
+    is a ``LayerFedCache`` made for them ahead (used when long enough)."""
     if not payloads:
         return model.new_cache()
     if feed is not None:
-        return LayerFedCache(LayerFeed(feed.blocks[:len(payloads)], feed.marks), model.config)
+        num_tokens = len(payloads) * feed.blocks.shape[3]
+        cache = made if isinstance(made, LayerFedCache) and made.num_tokens >= num_tokens \
+            else LayerFedCache.for_model(model, num_tokens)
+        cache.feed_from(LayerFeed(feed.blocks[:len(payloads)], feed.marks))
+        return cache
     return model.cache_from_kv(*scatter_blocks(payloads))
 
 

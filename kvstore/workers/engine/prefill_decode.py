@@ -36,6 +36,7 @@ from transformers import DynamicCache
 
 from kvstore import metrics
 from kvstore.api import KVStore, TokenIds
+from kvstore.client import strided_copy
 from kvstore.config import WorkerConfig
 from kvstore.errors import KVStoreError
 from kvstore.keys import BlockHasher
@@ -159,13 +160,22 @@ class Engine:
         """The prompt's KV from the fetched blocks on, and its last logits (on the host: the
         device work is done when this returns)."""
         resume = len(fetch.payloads) * self.block_size
-        cache = prefill_cache(self.model, fetch.payloads, fetch.feed)
+        made, fetch.made = fetch.made, None  # a computation (not its redo) takes it
+        cache = prefill_cache(self.model, fetch.payloads, fetch.feed, made)
         self._requests.hold(request_id, cache)
         logits = self._chunk_loop.run(tokens, resume, cache, check)
         assert logits is not None
         if isinstance(cache, LayerFedCache):
             cache.fill_all()  # a forward fills every layer: this only guards the contract
         return resume, cache, logits
+
+    def _fed_cache(self, num_tokens: int, num_blocks: int) -> LayerFedCache | None:
+        """The cache a prefill of ``num_tokens`` that fetched ``num_blocks`` blocks computes
+        on where they may come layer after layer (a GPU), made while the read leases them."""
+        if self.model.device.type != "cuda" or not strided_copy.available():
+            return None
+        resume = self.reuse.resume_point(num_blocks * self.block_size, num_tokens)
+        return LayerFedCache.for_model(self.model, resume) if resume else None
 
     def _prefill(self, token_ids: TokenIds, sampling: SamplingParams, request_id: str,
                  use_cache: bool, deadline: float, cache_salt: str | None = None
@@ -183,7 +193,7 @@ class Engine:
         # Blocks may arrive before their verdicts (a same-node GPU read): compute at once,
         # and keep the result only if every block used was good.
         fetch = self.io.fetch(namespace, tokens, keys, self.reuse.prefill_fetch_blocks(hit, n),
-                              early=True)
+                              early=True, prepare=partial(self._fed_cache, n))
         self.reuse.keep_resumable(fetch, n)
         t_fetch = time.perf_counter()
         resume, cache, logits = self._compute(fetch, tokens, request_id, check)

@@ -362,7 +362,7 @@ class EarlyLiar(LocalStore):
         store = self
 
         class Handle:
-            def leading(self):
+            def leading(self, by_layer=False):
                 payloads = [g.payload.clone() for g in got]
                 payloads[store.bad].fill_(7.0)
                 return payloads, False

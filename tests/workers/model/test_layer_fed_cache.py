@@ -64,3 +64,23 @@ def test_fill_all_fills_the_layers_no_forward_reached() -> None:
     up_front = prefill_cache(model, list(blocks.unbind(0)))
     for a, b in zip(up_front.layers, fed.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_a_cache_made_ahead_is_cut_back_to_the_blocks_it_is_fed() -> None:
+    """Made for the blocks asked for while the read still leases them, it may be fed fewer
+    (the read kept only a leading run): it is cut back and equals the cache built for those."""
+    model, tokens, blocks = _prompt_blocks("cpu")
+    marks = [None] * blocks.shape[1]
+    made = LayerFedCache.for_model(model, 5 * 16)
+    fed = prefill_cache(model, list(blocks[:3].unbind(0)), LayerFeed(blocks, marks), made)
+    assert fed is made and fed.get_seq_length() == 3 * 16
+    up_front = prefill_cache(model, list(blocks[:3].unbind(0)))
+    assert torch.equal(model.forward(tokens[48:], fed), model.forward(tokens[48:], up_front))
+    for a, b in zip(up_front.layers, fed.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    # Too short a cache made ahead is not used; a cache is fed once.
+    short = LayerFedCache.for_model(model, 2 * 16)
+    fed = prefill_cache(model, list(blocks[:3].unbind(0)), LayerFeed(blocks, marks), short)
+    assert fed is not short and fed.get_seq_length() == 3 * 16
+    with pytest.raises(ValueError, match="fed once"):
+        fed.feed_from(LayerFeed(blocks[:3], marks))
