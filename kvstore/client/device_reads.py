@@ -4,7 +4,9 @@ Which way a block travels::
 
     same node, blocks > SMALL_BLOCK_BYTES, arena page-locked (or a CPU target): direct
         CUDA: each run of adjacent leased blocks arena -> device rows in one async copy on
-              the side stream, all issued first
+              the copy stream, all issued first; for an early reader (a prefill that
+              computes as blocks land) one 2-D copy per layer of each run instead, layer
+              after layer, with a mark after each layer
         meanwhile on the host: each header checked against the request (unkeyed namespaces,
               Triton at hand: kvstore.client.device_checksum then hashes the payloads on the
               device, behind the copies, in one kernel); else verify_block over the same

@@ -12,6 +12,10 @@ verdicts only before it lets anything out of the computation (the first token, a
     ... forward on payloads ...    # meanwhile the host verifies
     verdicts = fetch.result()      # the final FetchedBlock / Miss per key, as batch_get's
 
+Where the copies went layer after layer (``leading(by_layer=True)``), not even the copies are
+waited for: ``feed`` gives the blocks and a mark per layer, and the caller orders its use of
+each layer after that layer's mark (``kvstore.workers.model.layer_fed_cache``).
+
 If a block it used is rejected, the caller throws its computation away and recomputes from
 the last good block: a rejected block costs time, never wrong output. Where the read takes any
 other way (another node, staging, an arena not page-locked yet), nothing is offered early and
