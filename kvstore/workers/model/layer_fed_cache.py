@@ -38,6 +38,7 @@ class LayerFedCache(DynamicCache):
     def __init__(self, num_tokens: int, num_layers: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, config: Any) -> None:
         self._feed: LayerFeed | None = None  # DynamicCache's own setup fills no layer of ours
+        self._fed = False
         self._unfilled: set[int] = set()
         # Stand-ins of the right shape: the cache copies them into its own tensors, which the
         # fills then overwrite. Expanded, so only the copy's writes cost.
@@ -57,14 +58,14 @@ class LayerFedCache(DynamicCache):
         """Fill the layers from ``feed`` (its blocks are the first tokens, up to
         ``num_tokens``; a cache made longer is cut back to them)."""
         n, num_layers, _, bs, _, _ = feed.blocks.shape
-        if self._feed is not None or n * bs > self.num_tokens or num_layers != len(self.layers):
+        if self._fed or n * bs > self.num_tokens or num_layers != len(self.layers):
             raise ValueError(f"cannot feed {n} blocks of {num_layers} layers to a cache of "
                              f"{self.num_tokens} tokens and {len(self.layers)} layers "
                              "(fed once, before any forward)")
         if n * bs < self.num_tokens:
             self.crop(n * bs)
             self.num_tokens = n * bs
-        self._feed = feed
+        self._feed, self._fed = feed, True
         self._unfilled = set(range(num_layers))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
@@ -82,6 +83,8 @@ class LayerFedCache(DynamicCache):
         feed = self._feed
         assert feed is not None
         self._unfilled.discard(layer)
+        if not self._unfilled:  # the rows (the whole fetch) need not live as long as the cache
+            self._feed = None
         feed.wait_layer(layer)
         n, _, _, bs, heads, head_dim = feed.blocks.shape
         lay: Any = self.layers[layer]

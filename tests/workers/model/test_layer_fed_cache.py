@@ -84,3 +84,12 @@ def test_a_cache_made_ahead_is_cut_back_to_the_blocks_it_is_fed() -> None:
     assert fed is not short and fed.get_seq_length() == 3 * 16
     with pytest.raises(ValueError, match="fed once"):
         fed.feed_from(LayerFeed(blocks[:3], marks))
+
+
+def test_the_fetched_rows_are_let_go_once_every_layer_is_filled() -> None:
+    model, tokens, blocks = _prompt_blocks("cpu")
+    fed = prefill_cache(model, list(blocks.unbind(0)),
+                        LayerFeed(blocks, [None] * blocks.shape[1]))
+    assert fed._feed is not None
+    model.forward(tokens[80:], fed)
+    assert fed._feed is None, "a cache that lives on (a decode) must not pin the fetch's rows"
