@@ -6,7 +6,9 @@ by two questions, greedy decoding, every vLLM instance pinned to one core
 (``VLLM_CPU_OMP_THREADS_BIND=0``) and a process of its own:
 
 1. no connector: each system's first question cold, its second warm from vLLM's own prefix
-   cache in the same process: the floor a cross-instance hit is measured against;
+   cache in the same process: the floor a cross-instance hit is measured against; then the
+   same with a connector that does nothing (``benchmarks.baselines.null_connector``): the
+   cost of vLLM's connector machinery alone, which every connector pays;
 2. a kvstore cluster (a private Ray head) and instance A with the connector: the first
    questions, which publish each system prompt;
 3. a fresh instance B with the connector: the second questions, whose prefix exists only in
@@ -48,6 +50,10 @@ from benchmarks.common import parse_args, report
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 32
+#: A connector that does nothing (loaded in the instance's process, not imported here).
+NULL_CONNECTOR = {"kv_connector": "NullConnector",
+                  "kv_connector_module_path": "benchmarks.baselines.null_connector",
+                  "kv_role": "kv_both"}
 SKIPPED: dict[str, str] = {}
 
 
@@ -80,10 +86,11 @@ def prompts(quick: bool) -> list[tuple[list[int], list[int]]]:
 
 
 def instance(env: dict[str, str], model: str, batch: list[list[int]], role: str | None,
-             max_tokens: int) -> list[dict[str, Any]]:
+             max_tokens: int, transfer: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One instance's results; ``transfer``: another connector's ``kv_transfer_config``."""
     job = {"model": model, "block_size": BLOCK, "max_tokens": max_tokens, "prompts": batch,
-           "warmup": True,
-           "salts": [None] * len(batch), "role": role}
+           "warmup": True, "salts": [None] * len(batch), "role": role,
+           "kv_transfer_config": transfer}
     done = subprocess.run([sys.executable, "-m", "benchmarks.vllm_instance", json.dumps(job)],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULTS ")]
@@ -137,9 +144,12 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
     first = [s + q for i, (s, q) in enumerate(pairs) if i % 2 == 0]
     second = [s + q for i, (s, q) in enumerate(pairs) if i % 2 == 1]
     new_tokens = 8 if args.quick else 16
-    plain = instance(env, model, [p for pair in zip(first, second, strict=True) for p in pair],
-                     None, new_tokens)
+    interleaved = [p for pair in zip(first, second, strict=True) for p in pair]
+    plain = instance(env, model, interleaved, None, new_tokens)
     cold, floor = plain[0::2], plain[1::2]
+    # The same with a connector that does nothing: vLLM's connector machinery alone.
+    null_floor = instance(env, model, interleaved, None, new_tokens,
+                          transfer=NULL_CONNECTOR)[1::2]
     kvstore = start_kvstore(env)
     try:
         instance(env, model, first, "kv_both", new_tokens)
@@ -150,6 +160,7 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
     full = sum(len(s) // BLOCK * BLOCK for s in systems)
     warm_x = statistics.median(r["ttft_s"] for r in fresh)
     warm_local = statistics.median(r["ttft_s"] for r in floor)
+    warm_null = statistics.median(r["ttft_s"] for r in null_floor)
     cold_s = statistics.median(r["ttft_s"] for r in cold)
     diff = max(abs(a - b) for x, y in zip(fresh, floor, strict=True)
                for a, b in zip(x["logprobs"], y["logprobs"], strict=True))
@@ -167,6 +178,9 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
         "ttft_cold_s": cold_s, "ttft_warm_local_prefix_cache_s": warm_local,
         "ttft_warm_xinstance_s": warm_x,
         "ratio_warm_xinstance_vs_local_prefix_cache": warm_x / warm_local,
+        "ttft_warm_local_prefix_cache_null_connector_s": warm_null,
+        "ratio_null_connector_vs_local_prefix_cache": warm_null / warm_local,
+        "ratio_warm_xinstance_vs_null_connector_prefix_cache": warm_x / warm_null,
         "ratio_cold_vs_warm_xinstance": cold_s / warm_x,
         "cached_tokens_vs_full_blocks": sum(r["cached"] for r in fresh) / full,
         "outputs_equal": all(x["tokens"] == y["tokens"] for x, y in
@@ -198,6 +212,9 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
         ("TTFT warm, vLLM's own prefix cache (s)", f"{warm_local:.3f}", "the floor"),
         ("TTFT warm, fresh instance from kvstore (s)", f"{warm_x:.3f}", ""),
         ("fresh from kvstore / own prefix cache", f"{warm_x / warm_local:.2f}", "<= 1.0"),
+        ("TTFT warm, own prefix cache with a do-nothing connector (s)", f"{warm_null:.3f}",
+         f"{warm_null / warm_local:.2f}x the floor: vLLM's connector machinery alone"),
+        ("fresh from kvstore / that", f"{warm_x / warm_null:.2f}", ""),
         ("cached tokens / full blocks", f"{figures['cached_tokens_vs_full_blocks']:.2f}", "1.0"),
         ("outputs = no connector", str(figures["outputs_equal"]), "True"),
         ("largest logprob difference", f"{diff:.2e}", ""),
