@@ -165,6 +165,8 @@ class BlockIO:
         payloads, verified = handle.leading(by_layer=True)
         fetch.payloads = payloads
         fetch.feed = getattr(handle, "feed", None)
+        if fetch.feed is None:  # the read took another way: what was made for it goes now
+            fetch.made = None
         fetch.nodes = [self.store.node_id] * len(payloads)
 
         def confirm() -> int:
