@@ -48,9 +48,9 @@ def _runtime() -> Any:
     except OSError:
         pass
     # Else the runtime wheels torch depends on (site-packages/nvidia/.../lib), then the loader's.
-    for root in {os.path.dirname(os.path.dirname(torch.__file__))}:
-        paths += sorted(glob.glob(os.path.join(root, "nvidia", "**", "libcudart.so*"),
-                                  recursive=True))
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    paths += sorted(glob.glob(os.path.join(site, "nvidia", "**", "libcudart.so*"),
+                              recursive=True))
     for name in [*paths, "libcudart.so", "libcudart.so.13", "libcudart.so.12"]:
         try:
             lib = ctypes.CDLL(name)
