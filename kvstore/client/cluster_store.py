@@ -40,6 +40,7 @@ from kvstore.api import (
 )
 from kvstore.block import block_nbytes, payload_offset
 from kvstore.block_batch import encode_blocks_into
+from kvstore.client.arena_blocks import ArenaBlocks, arena_blocks
 from kvstore.client.device_copy import DeviceRows, dma_path, target_device
 from kvstore.client.directory import Directory, lister, resolver
 from kvstore.client.early_fetch import EarlyFetch
@@ -153,6 +154,14 @@ class ClusterStore:
                 rest = self.view.lookup_prefix(keys[here:])
         return PrefixHit(here + rest.num_blocks,
                          [[self.local_node_id]] * here + rest.holders), lease
+
+    def arena_blocks(self, namespace: Namespace, keys: Sequence[bytes],
+                     token_ids: Sequence[TokenIds], held: HeldLease) -> ArenaBlocks | None:
+        """The leading blocks ``held`` pins in this host's arena, for use in place
+        (``kvstore.client.arena_blocks``); None where they must be read the usual way."""
+        client = self._client_or_none(held.node_id)
+        return None if client is None else arena_blocks(client, namespace, keys, token_ids,
+                                                         held)
 
     def release_lease(self, lease: HeldLease) -> None:
         """End a lease from ``lease_prefix`` that no read will use (without waiting)."""

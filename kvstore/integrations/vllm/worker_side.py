@@ -50,6 +50,7 @@ from kvstore.integrations.vllm.paged_layout import (
     scatter_layer,
 )
 from kvstore.integrations.vllm.plans import BlockTransfer, StepPlan
+from kvstore.integrations.vllm.spare_core import SpareCoreLoader, SpareCoreStep, spare_cores
 from kvstore.keys import Namespace
 
 log = logging.getLogger(__name__)
@@ -176,9 +177,10 @@ class WorkerSide:
                  num_kv_heads: int, head_dim: int, *, layerwise: bool | None = None) -> None:
         """``layerwise``: write synchronous loads layer by layer under the forward (True) or
         whole before it (False); None: by the caches' device (``register``): layer by layer
-        on a GPU, where the writes are copies on a stream of their own; whole on a CPU, where
-        a writer thread takes the cores and memory bandwidth of the forward it should hide
-        under (README, "With vLLM")."""
+        on a GPU, where the writes are copies on a stream of their own; on a CPU, layer by
+        layer where the process may run on a core the forward does not use (``spare_core``),
+        else whole before the forward, as a writer thread on the forward's own cores takes
+        their time instead of hiding under it (README, "With vLLM")."""
         self.store = store
         self.namespace_of = namespace_of
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
@@ -187,7 +189,8 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         self._load_errors: set[int] = set()
         self._errors_lock = threading.Lock()
-        self._step: _LayerLoads | None = None
+        self._step: _LayerLoads | SpareCoreStep | None = None
+        self._spare: SpareCoreLoader | None = None
         self._scatters = ThreadPoolExecutor(max_workers=1,
                                             thread_name_prefix="kvstore-vllm-scatter")
         self._async_loads = ThreadPoolExecutor(max_workers=1,
@@ -211,9 +214,17 @@ class WorkerSide:
         self.layers = [layer_cache(kv_caches[name], self.num_kv_heads, self.head_dim)
                        for name in names]
         self._layer_index = {name: i for i, name in enumerate(names)}
+        on_cpu = bool(self.layers) and not _on_cuda(self.layers[0].key.device)
+        if on_cpu and self.layerwise is not False and self._spare is None:
+            cores = spare_cores()  # vLLM pinned this thread, its forward's, by now
+            spare = SpareCoreLoader(cores) if cores else None
+            if spare is not None and not spare.pinned:
+                spare.close()
+                spare = None
+            self._spare = spare
         if self.layerwise is None and self.layers:
-            self.layerwise = _on_cuda(self.layers[0].key.device)
-        if self.layers and not _on_cuda(self.layers[0].key.device):
+            self.layerwise = not on_cpu or self._spare is not None
+        if on_cpu:
             # A read's copy and check go on the calling thread: in vLLM's process a helper
             # thread bought nothing (the caller waited on the GIL for its share)
             cap_threads(1)
@@ -237,6 +248,10 @@ class WorkerSide:
                                                                          None)
         sync = [t for t in plan.loads if not t.asynchronous]
         if not sync:
+            return
+        if self.layerwise and self._spare is not None:  # all of it on the spare core
+            self._step = self._spare.start(self.store, self.namespace_of, self.layers, sync,
+                                           self._fetch_step)
             return
         fetched = self._fetch_step(sync)
         for f in fetched:
@@ -267,6 +282,10 @@ class WorkerSide:
             return
         for i in range(len(step.done)):
             step.wait(i)
+        if isinstance(step, SpareCoreStep):
+            step.join()
+            self.loaded_blocks += step.loaded
+            self._add_errors(step.failed)
         if step.error is not None:
             self._add_errors(step.block_ids)
         elif len(step.waited) < len(self.layers):
@@ -445,3 +464,5 @@ class WorkerSide:
         self.flush()
         for pool in (self._scatters, self._async_loads, self._puts):
             pool.shutdown(wait=True)
+        if self._spare is not None:
+            self._spare.close()
