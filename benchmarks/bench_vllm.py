@@ -3,7 +3,8 @@
 One checkpoint built here (random weights; ``--quick``: 8 layers, hidden 256; otherwise
 SmolLM2-135M's shape: 30 layers, hidden 576, 9 heads, 3 KV heads), system prompts each shared
 by two questions, greedy decoding, every vLLM instance pinned to one core
-(``VLLM_CPU_OMP_THREADS_BIND=0``) and a process of its own:
+(``VLLM_CPU_OMP_THREADS_BIND=0``) and a process of its own, every store's servers (kvstore's
+cluster, Mooncake's and LMCache's) on the other cores:
 
 1. no connector: each system's first question cold, its second warm from vLLM's own prefix
    cache in the same process: the floor a cross-instance hit is measured against; then the
@@ -46,6 +47,7 @@ from typing import Any
 import torch
 
 from benchmarks.baselines.instance import Fresh, best_xinstance
+from benchmarks.baselines.servers import FORWARD_CORE, off_forward_cores
 from benchmarks.common import parse_args, report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,7 +105,7 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0], _flags)
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     env = {**os.environ, "KVSTORE_STATE_DIR": str(work / "state"), "RAY_AUTH_MODE": "disabled",
-           "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
+           "VLLM_CPU_OMP_THREADS_BIND": str(FORWARD_CORE), "VLLM_CPU_KVCACHE_SPACE": "2",
            "PYTHONPATH": str(ROOT)}
     try:
         run(args, env, work)
@@ -112,12 +114,15 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def start_kvstore(env: dict[str, str]) -> list[str]:
+def start_kvstore(env: dict[str, str], *, off_forward: bool = False) -> list[str]:
     """``kvstore start`` for this run (its state directory is in ``env``); the command line
-    that runs kvstore, for the matching ``stop``. A failed start ends the bench in one line."""
+    that runs kvstore, for the matching ``stop``. A failed start ends the bench in one line.
+    ``off_forward``: the cluster's processes (Ray's and the store node) run off the vLLM
+    instances' core, as the baselines' servers do (``servers.off_forward_cores``)."""
     kvstore = [sys.executable, "-m", "kvstore.cli"]
     started = subprocess.run([*kvstore, "start", "--capacity", "1GiB"], env=env,
-                             capture_output=True, text=True, timeout=300)
+                             capture_output=True, text=True, timeout=300,
+                             preexec_fn=off_forward_cores() if off_forward else None)
     if started.returncode != 0:
         lines = started.stderr.strip().splitlines()
         raise SystemExit(f"kvstore start failed: {lines[-1] if lines else started.returncode}")
@@ -150,7 +155,7 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
     # The same with a connector that does nothing: vLLM's connector machinery alone.
     null_floor = instance(env, model, interleaved, None, new_tokens,
                           transfer=NULL_CONNECTOR)[1::2]
-    kvstore = start_kvstore(env)
+    kvstore = start_kvstore(env, off_forward=True)
     try:
         instance(env, model, first, "kv_both", new_tokens)
         fresh = instance(env, model, second, "kv_both", new_tokens)

@@ -6,19 +6,38 @@ through ``mooncake_master`` (metadata and an HTTP metadata service) and a standa
 is a child of this process: ``Servers.stop`` ends exactly those PIDs, last started first, and
 nothing is looked up by name.
 
+Every server runs on the cores the benchmarked vLLM instances do not compute on
+(``off_forward_cores``), as a deployment puts a cache's servers beside the engine rather than
+on its cores; kvstore's cluster is started the same way.
+
 Mooncake's master binds its HTTP metadata port, and its client its transfer-engine ports, on
 every interface whatever the host flags say; the traffic itself stays on 127.0.0.1.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
+
+
+#: The core every vLLM instance of ``bench_vllm`` computes on (``VLLM_CPU_OMP_THREADS_BIND``).
+FORWARD_CORE = 0
+
+
+def off_forward_cores() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that keeps a server (and every process it starts) off
+    ``FORWARD_CORE``; None on a one-core machine."""
+    cores = os.sched_getaffinity(0) - {FORWARD_CORE}
+    if not cores:
+        return None
+    return lambda: os.sched_setaffinity(0, cores)
 
 
 class ServerFailed(RuntimeError):
@@ -65,7 +84,8 @@ class Servers:
         log = self.work / f"{name}.log"
         with log.open("wb") as out:
             process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL)
+                                       stdin=subprocess.DEVNULL,
+                                       preexec_fn=off_forward_cores())
         server = Server(name, process, log)
         self.started.append(server)
         deadline = time.monotonic() + timeout_s

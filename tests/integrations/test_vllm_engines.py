@@ -37,10 +37,16 @@ QUESTIONS = [[11, 12, 13, 14], [21, 22, 23, 24, 25, 26]]
 PROMPTS = [SYSTEM + q for q in QUESTIONS]
 DAMAGED = [(i * 53) % 350 + 7 for i in range(200)]  # 6 full blocks and 8 tokens
 DAMAGED_PROMPTS = [DAMAGED + [41, 42], DAMAGED + [43, 44, 45]]
+#: Loaded alone, so in the forward: on the spare core where there is one (a block damaged
+#: there is caught once written, and vLLM drops that step's output and recomputes).
+SYNC_DAMAGED = [(i * 61) % 350 + 6 for i in range(170)]  # 5 full blocks and 10 tokens
+SYNC_DAMAGED_PROMPTS = [SYNC_DAMAGED + [61, 62], SYNC_DAMAGED + [63, 64, 65]]
 LATE = [(i * 29) % 350 + 9 for i in range(140)]
 LATE_PROMPTS = [LATE + [51], LATE + [52, 53], LATE + [54, 55, 56]]
 SALTED = SYSTEM + [31, 32, 33]
-ALL = PROMPTS + DAMAGED_PROMPTS + LATE_PROMPTS
+ALL = PROMPTS + DAMAGED_PROMPTS + SYNC_DAMAGED_PROMPTS + LATE_PROMPTS
+#: B's results: the batch (0-3), the damaged prefix loaded alone (4), then the late prompts.
+SYNC_RESULT, LATE_RESULTS = 4, slice(5, None)
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +93,8 @@ def reference(cluster, checkpoint) -> dict[tuple[int, ...], dict]:
     publishes its blocks (one of them as tenant ``tenant-a``)."""
     results = run_engine(cluster, checkpoint, [], [], phases=[
         {"prompts": ALL, "bypass": True},
-        {"prompts": [PROMPTS[0], DAMAGED_PROMPTS[0], SALTED],
-         "salts": [None, None, "tenant-a"]}])
+        {"prompts": [PROMPTS[0], DAMAGED_PROMPTS[0], SALTED, SYNC_DAMAGED_PROMPTS[0]],
+         "salts": [None, None, "tenant-a", None]}])
     return {tuple(p): r for p, r in zip(ALL, results[:len(ALL)], strict=True)}
 
 
@@ -100,20 +106,24 @@ def assert_same(got: dict, want: dict) -> None:
 
 @pytest.fixture(scope="module")
 def fresh(cluster, checkpoint, reference) -> tuple[list[dict], str]:
-    """A fresh instance B, after block 3 of the damaged prefix was corrupted in the store
-    node's arena: one batch of the second question, the salted prompt as two tenants and the
-    damaged prompt's second question. vLLM admits them together, so the first loads in its
-    forward and the others asynchronously (``load_mode`` auto: others are in flight). Then,
-    one by one, three prompts of another prefix, the module's cluster stopped after the first
-    (results 4 to 6). Its results, and its log."""
-    job = {"checkpoint": checkpoint, "block_size": BLOCK, "tokens": DAMAGED, "block": 3}
-    done = subprocess.run([sys.executable, "-m", "tests.support.vllm_blocks", json.dumps(job)],
-                          env=cluster, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "CORRUPTED" in done.stdout, done.stderr[-3000:]
+    """A fresh instance B, after block 3 of the damaged prefix and block 2 of the other one
+    were corrupted in the store node's arena: one batch of the second question, the salted
+    prompt as two tenants and the damaged prompt's second question. vLLM admits them
+    together, so the first loads in its forward and the others asynchronously (``load_mode``
+    auto: others are in flight). Then the other damaged prefix's second question alone (in
+    its forward). Then, one by one, three prompts of another prefix, the module's cluster
+    stopped after the first (``LATE_RESULTS``). Its results, and its log."""
+    for tokens, block in ((DAMAGED, 3), (SYNC_DAMAGED, 2)):
+        job = {"checkpoint": checkpoint, "block_size": BLOCK, "tokens": tokens, "block": block}
+        done = subprocess.run([sys.executable, "-m", "tests.support.vllm_blocks",
+                               json.dumps(job)], env=cluster, cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0 and "CORRUPTED" in done.stdout, done.stderr[-3000:]
     logs: list[str] = []
     results = run_engine(cluster, checkpoint, [], [], logs=logs, phases=[
         {"prompts": [PROMPTS[1], SALTED, SALTED, DAMAGED_PROMPTS[1]],
          "salts": [None, "tenant-b", "tenant-a", None], "together": True},
+        {"prompts": [SYNC_DAMAGED_PROMPTS[1]]},
         {"prompts": LATE_PROMPTS, "stop_cluster_after": 0}])
     return results, logs[0]
 
@@ -140,9 +150,19 @@ def test_a_corrupted_block_is_recomputed_and_the_output_is_the_same(reference, f
     assert_same(results[3], reference[tuple(DAMAGED_PROMPTS[1])])
 
 
+def test_a_corrupted_block_loaded_in_the_forward_is_recomputed_and_the_output_is_the_same(
+        reference, fresh):
+    results, log = fresh
+    if len(os.sched_getaffinity(0)) > 1:  # B's forward is pinned to core 0: a core is spare
+        # written from the arena on the spare core, its tag checked after: vLLM dropped that
+        # step's output and recomputed blocks 2, 3 and 4
+        assert "3 of 5 blocks" in log and "failed their check once written" in log
+    assert_same(results[SYNC_RESULT], reference[tuple(SYNC_DAMAGED_PROMPTS[1])])
+
+
 def test_a_cluster_that_goes_away_mid_run_means_recompute_not_failure(reference, fresh):
     """B's last phase: the cluster stopped after its first prompt."""
-    got = fresh[0][4:]
+    got = fresh[0][LATE_RESULTS]
     assert len(got) == len(LATE_PROMPTS)  # every request answered, none failed or hung
     for result, prompt in zip(got, LATE_PROMPTS, strict=True):
         assert_same(result, reference[tuple(prompt)])
