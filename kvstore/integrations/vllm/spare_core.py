@@ -54,6 +54,11 @@ def spare_cores() -> set[int]:
     return _process_cpus() - forward
 
 
+def pin_thread(cores: set[int]) -> None:
+    """Run the calling thread (only it, not its process) on ``cores``."""
+    os.sched_setaffinity(0, cores)
+
+
 def _process_cpus() -> set[int]:
     """The CPUs the process's cgroup allows, else every online one."""
     try:
@@ -111,12 +116,18 @@ class SpareCoreLoader:
 
     def _pin(self) -> bool:
         try:
-            os.sched_setaffinity(0, self.cores)  # this thread only
+            pin_thread(self.cores)
         except OSError as exc:
             log.info("kvstore: cannot run loads on cores %s (%s); loading before the forward",
                      sorted(self.cores), exc)
             return False
         return True
+
+    def executor(self, name: str) -> ThreadPoolExecutor:
+        """A one-thread pool whose thread runs on the same spare cores (the asynchronous
+        loads', the saves'): their copies and puts then leave the forward's cores alone too."""
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
+                                  initializer=pin_thread, initargs=(self.cores,))
 
     def start(self, store: Any, namespace_of: Callable[[str], Any],
               layers: Sequence[LayerCache], transfers: list[BlockTransfer],

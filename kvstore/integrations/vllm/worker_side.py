@@ -222,6 +222,11 @@ class WorkerSide:
                 spare.close()
                 spare = None
             self._spare = spare
+            if spare is not None:  # nothing ran on these yet: their threads start there
+                self._async_loads.shutdown()
+                self._puts.shutdown()
+                self._async_loads = spare.executor("kvstore-vllm-load")
+                self._puts = spare.executor("kvstore-vllm-save")
         if self.layerwise is None and self.layers:
             self.layerwise = not on_cpu or self._spare is not None
         if on_cpu:
