@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from kvstore.block import payload_offset, tag_hasher, verify_block
+from kvstore.block import payload_offset, tag_hasher
+from kvstore.client.device_reads import check_headers
 from kvstore.client.leased_reads import HeldLease
-from kvstore.errors import BlockCorrupted, BlockMismatch, KVStoreError, NamespaceMismatch
 from kvstore.keys import Namespace
 from kvstore.node.block_pool import BlockLocation
 
@@ -86,19 +86,16 @@ def arena_blocks(client: Any, namespace: Namespace, keys: Sequence[bytes],
     where = {loc.key: loc for loc in held.info.locations if not loc.path}
     reader = client._reader()
     keys = [bytes(k) for k in keys]
-    usable: list[BlockLocation] = []
-    checksums: list[bytes] = []
-    for key, tokens in zip(keys, token_ids, strict=True):
-        loc = where.get(key)
-        if loc is None:
-            break
-        try:
-            header = verify_block(reader.view(loc.offset, loc.nbytes), namespace, key, tokens,
-                                  verify_checksum=False)
-        except (BlockCorrupted, BlockMismatch, NamespaceMismatch, KVStoreError, ValueError):
-            break
-        usable.append(loc)
-        checksums.append(header.checksum)
+    locs = [where.get(k) for k in keys]
+    if None in locs:
+        locs = locs[:locs.index(None)]
+    try:  # every header at once (one gather, array compares), the payloads left for after
+        verdicts, digests = check_headers(reader, locs, keys[:len(locs)], token_ids, namespace)
+    except ValueError:  # a location outside the arena: read the usual way, which says so
+        return None
+    good = next((i for i, v in enumerate(verdicts) if not isinstance(v, int)), len(verdicts))
+    usable = [loc for loc in locs[:good] if loc is not None]
+    checksums = [digests[i] for i in range(good)]
     if not usable:
         return None
     try:

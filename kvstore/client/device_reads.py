@@ -173,7 +173,7 @@ def _direct(reader: ShmReader, locs: list[BlockLocation | None], keys: list[byte
         verdicts: list[Any] | None = None
         if on_device:
             keep_alive()
-            verdicts, digests = _check_headers(reader, locs, keys, tokens, namespace)
+            verdicts, digests = check_headers(reader, locs, keys, tokens, namespace)
             if digests and not _device_verdicts(sink, rows, keys, digests, namespace, verdicts):
                 verdicts = None  # the kernel failed (said once in the log): check here
         if verdicts is None:
@@ -218,7 +218,7 @@ def _checks_on_device(namespace: Namespace, sink: DeviceRows) -> bool:
             and device_checksum.usable(sink.device))
 
 
-def _check_headers(reader: ShmReader, locs: list[BlockLocation | None], keys: list[bytes],
+def check_headers(reader: ShmReader, locs: list[BlockLocation | None], keys: list[bytes],
                    tokens: Sequence[Any], namespace: Namespace
                    ) -> tuple[list[Any], dict[int, bytes]]:
     """Every leased block's header checked against the request on the host, all at once

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from kvstore.client.shm_reader import detached
 from kvstore.integrations.vllm.paged_layout import (
     LayerCache,
     ScatterPlan,
@@ -135,16 +136,24 @@ class SpareCoreLoader:
         """Begin a step's loads; ``fetch(transfers)``: the worker's fetch of those it cannot
         write from the arena (its ``_Fetched`` results, errors already reported)."""
         step = SpareCoreStep(len(layers), transfers)
-        step.future = self._pool.submit(self._run, step, store, namespace_of, layers,
-                                        transfers, fetch)
-        return step
-
-    def _run(self, step: SpareCoreStep, store: Any, namespace_of: Callable[[str], Any],
-             layers: Sequence[LayerCache], transfers: list[BlockTransfer],
-             fetch: Callable[[list[BlockTransfer]], list[Any]]) -> None:
+        # The headers are checked here, before the forward starts: a fraction of a
+        # millisecond, which on the loader thread took several times as long (sharing
+        # Python's lock with the forward) while the forward's first layer waited for it.
         loads: list[_Load] = []
         try:
             rest = _in_place(store, namespace_of, layers[0], transfers, loads)
+        except Exception:  # the arena unreadable: the usual reads on the loader thread
+            log.exception("kvstore: reading leased blocks in place failed; fetching them")
+            for load in loads:
+                load.arena.close()
+            loads, rest = [], transfers
+        step.future = self._pool.submit(self._run, step, layers, loads, rest, fetch)
+        return step
+
+    def _run(self, step: SpareCoreStep, layers: Sequence[LayerCache], loads: list[_Load],
+             rest: list[BlockTransfer], fetch: Callable[[list[BlockTransfer]], list[Any]]
+             ) -> None:
+        try:
             for fetched in fetch(rest) if rest else []:
                 if fetched.payloads is not None:
                     plan = plan_scatter(layers[0], fetched.block_ids)
@@ -165,7 +174,7 @@ class SpareCoreLoader:
                         step.failed += load.transfer.block_ids[good:]
         except Exception as exc:  # every block of the step becomes a load error
             log.exception("kvstore: loading on the spare core failed; vLLM recomputes")
-            step.error = exc
+            step.error = detached(exc)  # its frames hold views of the arena
         finally:
             for load in loads:
                 if load.arena is not None:
