@@ -2,12 +2,14 @@
 
 Loads come in two kinds, chosen per request by the scheduler side (``BlockTransfer.asynchronous``):
 
-- **synchronous** (the forward of this step needs them): ``start_load_kv`` fetches and verifies
-  the blocks (``batch_get``), then writes them with ``kv_cache_scatter``: on a GPU a loader
-  thread writes them layer by layer while the forward runs, the attention of layer ``i``
+- **synchronous** (the forward of this step needs them): on a GPU ``start_load_kv`` fetches
+  and verifies the blocks (``batch_get``) and a loader thread writes them with
+  ``kv_cache_scatter`` layer by layer while the forward runs, the attention of layer ``i``
   waiting only for layer ``i`` (``wait_for_layer_load``), so the writes of later layers overlap
-  the forward of earlier ones; on a CPU whole, before the forward (a writer thread there takes
-  the forward's cores instead of hiding under it: ``WorkerSide``);
+  the forward of earlier ones; on a CPU the same, all of it on a thread pinned to a core the
+  forward does not use, writing leased blocks straight from the arena (``spare_core``), or,
+  with no such core, whole before the forward (a writer thread on the forward's own cores
+  takes their time instead of hiding under it: ``WorkerSide``);
 - **asynchronous** (the request waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` while other requests
   go on decoding): fetch and write run on a thread of their own, and ``get_finished`` reports
   the request once its blocks are in.
