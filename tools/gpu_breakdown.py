@@ -75,7 +75,7 @@ POINTS: tuple[tuple[str, Any, str], ...] = (
     ("issued", DeviceRows, "issued"),
     ("leading", EarlyFetch, "leading"),
     ("verify", device_reads, "parallel_map"),
-    ("headers", device_reads, "_check_headers"),
+    ("headers", device_reads, "check_headers"),
     ("device_sums", device_reads, "_device_verdicts"),
     ("cache", prefill_decode, "prefill_cache"),
     ("layer_copies", DeviceRows, "copy_runs_by_layer"),
