@@ -30,6 +30,7 @@ naming the shape seen, rather than read wrongly.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -101,19 +102,45 @@ def gather_blocks(layers: Sequence[LayerCache], block_ids: Sequence[int]) -> tor
 @dataclass(frozen=True)
 class ScatterPlan:
     """Where one load's payloads go, the same for every layer: the block ids in payload order
-    (``ids``: the CPU layout's strided copy needs no more), the payloads in block order
-    (``order``) and ``kv_cache_scatter``'s ``token_offset``/``seq_len`` over the span of blocks
-    ``[first_block, first_block + num_blocks)`` the load touches (not the whole cache: vLLM's
-    holds thousands of blocks, and the operator reads every block it is given)."""
+    and their runs of consecutive blocks (what the CPU layout's slice copies need, no tensor);
+    the operators' arguments are made on first use: the ids as a tensor (``ids``), the
+    payloads in block order (``order``) and ``kv_cache_scatter``'s ``token_offset``/``seq_len``
+    over the span of blocks ``[first_block, first_block + num_blocks)`` the load touches (not
+    the whole cache: vLLM's holds thousands of blocks, and the operator reads every block it is
+    given)."""
 
     block_ids: tuple[int, ...]
-    ids: torch.Tensor  # the block ids, in payload order
-    order: torch.Tensor
-    token_offset: torch.Tensor
-    seq_len: torch.Tensor
-    first_block: int = 0
-    num_blocks: int = 0
+    block_size: int
     runs: tuple[tuple[int, int, int], ...] = ()  # (first payload, first block, length)
+
+    @functools.cached_property
+    def first_block(self) -> int:
+        return min(self.block_ids, default=0)
+
+    @functools.cached_property
+    def num_blocks(self) -> int:
+        return max(self.block_ids, default=-1) + 1 - self.first_block
+
+    @functools.cached_property
+    def ids(self) -> torch.Tensor:
+        """The block ids, in payload order."""
+        return torch.tensor(list(self.block_ids), dtype=torch.int64)
+
+    @functools.cached_property
+    def order(self) -> torch.Tensor:
+        return torch.argsort(self.ids)
+
+    @functools.cached_property
+    def seq_len(self) -> torch.Tensor:
+        """Per block of the span: the loaded blocks' rows whole, the others none."""
+        lens = torch.zeros(self.num_blocks, dtype=torch.int64)
+        lens[self.ids - self.first_block] = self.block_size
+        return lens
+
+    @functools.cached_property
+    def token_offset(self) -> torch.Tensor:
+        """Where each block's rows end: its whole run written from its start."""
+        return self.seq_len.clone()
 
 
 def plan_scatter(layer: LayerCache, block_ids: Sequence[int]) -> ScatterPlan:
@@ -124,14 +151,7 @@ def plan_scatter(layer: LayerCache, block_ids: Sequence[int]) -> ScatterPlan:
     bad = [b for b in block_ids if not 0 <= b < num_blocks]
     if bad:
         raise ValueError(f"block ids {bad[:4]} are outside vLLM's cache of {num_blocks} blocks")
-    ids = torch.tensor(list(block_ids), dtype=torch.int64)
-    order = torch.argsort(ids)
-    first = min(block_ids, default=0)
-    span = max(block_ids, default=-1) + 1 - first
-    lens = torch.zeros(span, dtype=torch.int64)
-    lens[ids - first] = layer.key.shape[1]  # the loaded blocks' rows whole, the others none
-    return ScatterPlan(tuple(block_ids), ids, order, lens.clone(), lens, first, span,
-                       consecutive_runs(block_ids))
+    return ScatterPlan(tuple(block_ids), layer.key.shape[1], consecutive_runs(block_ids))
 
 
 #: Up to this many runs of consecutive blocks, a CPU-layout write is one slice copy per run.
