@@ -1,8 +1,9 @@
 """vLLM with kvstore as its KV connector, against vLLM's own prefix cache, in one run.
 
 One checkpoint built here (random weights; ``--quick``: 8 layers, hidden 256; otherwise
-SmolLM2-135M's shape: 30 layers, hidden 576, 9 heads, 3 KV heads), system prompts each shared
-by two questions, greedy decoding, every vLLM instance pinned to one core
+SmolLM2-135M's shape: 30 layers, hidden 576, 9 heads, 3 KV heads), system prompts (``--quick``:
+three of 512 tokens; otherwise three each of 512, 1,024 and 2,048) each shared by two
+questions, greedy decoding, every vLLM instance pinned to one core
 (``VLLM_CPU_OMP_THREADS_BIND=0``) and a process of its own, every store's servers (kvstore's
 cluster, Mooncake's and LMCache's) on the other cores:
 
@@ -77,8 +78,9 @@ def prompts(quick: bool) -> list[tuple[list[int], list[int]]]:
     """(system, question) token ids: each system prompt twice, with two questions."""
     g = torch.Generator().manual_seed(7)
     # --quick: three systems of one size, so each figure is a median of three requests, not
-    # one instance's first (whose one-time costs are no connector's per-request cost)
-    sizes = [512, 512, 512] if quick else [512, 1024, 2048]
+    # one instance's first (whose one-time costs are no connector's per-request cost); else
+    # three of each size: one request varies by about a fifth from one instance to the next
+    sizes = [512, 512, 512] if quick else [512, 1024, 2048] * 3
     out = []
     for n in sizes:
         system = torch.randint(5, 390, (n,), generator=g).tolist()
