@@ -14,7 +14,10 @@ first request's one-time costs are not a cache's; ``WARMUP_PROMPT``). ``stop_clu
 prompt index) stops the kvstore cluster (``kvstore stop``) once that prompt is done: the fault
 tests' cluster that goes away while an instance runs. ``bypass``: the connector neither loads
 nor saves (``kvstore_bypass``): the same engine without the cache, the reference a cached run
-is compared with.
+is compared with. ``repeat``: after each prompt's generation, time its first token once more
+(``ttft_repeat_s``), kvstore bypassed: a hit in vLLM's own prefix cache on the same prompt, in
+the same process, a moment after the timed request: the floor paired with it, free of the
+fifth by which one instance differs from the next.
 
 ``phases`` (a list of such jobs' prompt settings: ``prompts``, ``salts``, ``together``,
 ``bypass``, ``stop_cluster_after``) runs one after another on the same engine, vLLM's own
@@ -99,10 +102,28 @@ def _phase(llm: Any, job: dict[str, Any], phase: dict[str, Any]) -> list[dict[st
             importlib.import_module("tools.vllm_timeline").mark(f"prompt-{n}", t0, t0 + ttft)
         [out] = llm.generate([request], params, use_tqdm=False)
         results.append(_result(out, ttft, head.num_cached_tokens))
+        if job.get("repeat"):
+            results[-1]["ttft_repeat_s"], results[-1]["cached_repeat"] = _repeat_ttft(
+                llm, request, f"repeat-{n}")
         if n == phase.get("stop_cluster_after"):
             subprocess.run([sys.executable, "-m", "kvstore.cli", "stop"], check=True,
                            capture_output=True, timeout=300)
     return results
+
+
+def _repeat_ttft(llm: Any, request: Any, label: str) -> tuple[float, int | None]:
+    """The request's first token again, from vLLM's own prefix cache, kvstore bypassed; and
+    the prompt tokens it did not compute."""
+    from vllm import SamplingParams
+
+    once = SamplingParams(max_tokens=1, temperature=0,
+                          extra_args={"kv_transfer_params": {"kvstore_bypass": True}})
+    t0 = time.perf_counter()
+    [out] = llm.generate([request], once, use_tqdm=False)
+    ttft = time.perf_counter() - t0
+    if os.environ.get("KVSTORE_TIMELINE"):
+        importlib.import_module("tools.vllm_timeline").mark(label, t0, t0 + ttft)
+    return ttft, out.num_cached_tokens
 
 
 def _result(out: Any, ttft: float | None, cached: int | None) -> dict[str, Any]:
