@@ -14,10 +14,13 @@ first request's one-time costs are not a cache's; ``WARMUP_PROMPT``). ``stop_clu
 prompt index) stops the kvstore cluster (``kvstore stop``) once that prompt is done: the fault
 tests' cluster that goes away while an instance runs. ``bypass``: the connector neither loads
 nor saves (``kvstore_bypass``): the same engine without the cache, the reference a cached run
-is compared with. ``repeat``: after each prompt's generation, time its first token once more
-(``ttft_repeat_s``), kvstore bypassed: a hit in vLLM's own prefix cache on the same prompt, in
-the same process, a moment after the timed request: the floor paired with it, free of the
-fifth by which one instance differs from the next.
+is compared with. ``floor_prompts`` (one per prompt, or None): after each prompt's generation,
+the first token of its floor prompt (another question on the same system prompt) is timed too
+(``ttft_floor_s``, ``cached_floor``), kvstore bypassed: a hit in vLLM's own prefix cache in the
+same process a moment after the timed request, the floor paired with it, free of the fifth by
+which one instance differs from the next. (Not the same prompt again: a repeat measured about
+a tenth faster than another question on the same system.) ``floors_after``: the floors are
+timed after all the prompts instead, each then as cold in the CPU's caches as a load.
 
 ``phases`` (a list of such jobs' prompt settings: ``prompts``, ``salts``, ``together``,
 ``bypass``, ``stop_cluster_after``) runs one after another on the same engine, vLLM's own
@@ -94,6 +97,7 @@ def _phase(llm: Any, job: dict[str, Any], phase: dict[str, Any]) -> list[dict[st
         return [_result(out, None, out.num_cached_tokens)
                 for out in llm.generate(requests, params, use_tqdm=False)]
     results = []
+    floors = phase.get("floor_prompts") or job.get("floor_prompts")
     for n, request in enumerate(requests):
         t0 = time.perf_counter()
         [head] = llm.generate([request], first, use_tqdm=False)
@@ -102,18 +106,32 @@ def _phase(llm: Any, job: dict[str, Any], phase: dict[str, Any]) -> list[dict[st
             importlib.import_module("tools.vllm_timeline").mark(f"prompt-{n}", t0, t0 + ttft)
         [out] = llm.generate([request], params, use_tqdm=False)
         results.append(_result(out, ttft, head.num_cached_tokens))
-        if job.get("repeat"):
-            results[-1]["ttft_repeat_s"], results[-1]["cached_repeat"] = _repeat_ttft(
-                llm, request, f"repeat-{n}")
+        if floors and floors[n] and not job.get("floors_after"):
+            _floor(llm, floors[n], salts[n], n, results[-1])
         if n == phase.get("stop_cluster_after"):
             subprocess.run([sys.executable, "-m", "kvstore.cli", "stop"], check=True,
                            capture_output=True, timeout=300)
+    if floors and job.get("floors_after"):
+        for n, (tokens, salt) in enumerate(zip(floors, salts, strict=True)):
+            if tokens:
+                _floor(llm, tokens, salt, n, results[n])
     return results
 
 
-def _repeat_ttft(llm: Any, request: Any, label: str) -> tuple[float, int | None]:
-    """The request's first token again, from vLLM's own prefix cache, kvstore bypassed; and
-    the prompt tokens it did not compute."""
+def _floor(llm: Any, tokens: list[int], salt: str | None, n: int, result: dict[str, Any]
+           ) -> None:
+    from vllm.inputs import TokensPrompt
+
+    floor = TokensPrompt(prompt_token_ids=tokens)
+    if salt:
+        floor["cache_salt"] = salt
+    result["ttft_floor_s"], result["cached_floor"] = _floor_ttft(llm, floor, f"floor-{n}")
+
+
+def _floor_ttft(llm: Any, request: Any, label: str) -> tuple[float, int | None]:
+    """A request's first token with kvstore bypassed (a hit in vLLM's own prefix cache, for
+    a prompt whose prefix the last request brought in); and the prompt tokens it did not
+    compute."""
     from vllm import SamplingParams
 
     once = SamplingParams(max_tokens=1, temperature=0,
