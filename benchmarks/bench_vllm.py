@@ -119,8 +119,9 @@ def instance(env: dict[str, str], model: str, batch: list[list[int]], role: str 
            "warmup": True, "salts": [None] * len(batch), "role": role,
            "kv_transfer_config": transfer, "floor_prompts": floors,
            "floors_after": floors_after}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.vllm_instance", json.dumps(job)],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.vllm_instance", "-"],
+                          input=json.dumps(job), env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=1800)
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULTS ")]
     if done.returncode != 0 or not lines:
         raise SystemExit(f"a vLLM instance failed:\n{done.stderr[-4000:]}")

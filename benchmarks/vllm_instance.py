@@ -152,7 +152,10 @@ def _result(out: Any, ttft: float | None, cached: int | None) -> dict[str, Any]:
 
 
 def main() -> None:
-    print("RESULTS " + json.dumps(run(json.loads(sys.argv[1]))), flush=True)
+    """The job is the one argument, or ``-``: read from stdin (a job past the kernel's
+    128 KiB limit on one argument: thousands of prompt tokens)."""
+    text = sys.stdin.read() if sys.argv[1] == "-" else sys.argv[1]
+    print("RESULTS " + json.dumps(run(json.loads(text))), flush=True)
 
 
 if __name__ == "__main__":
