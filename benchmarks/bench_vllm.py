@@ -27,8 +27,8 @@ cluster, Mooncake's and LMCache's) on the other cores:
 ``ratio_warm_xinstance_vs_local_prefix_cache`` is B's TTFT over the floor's (median over the
 systems); ``..._same_instance`` pairs each of B's requests with a third question on the same
 system right after it in B, kvstore bypassed: a hit in vLLM's own prefix cache in the same
-process (median of the pairs' ratios), free of the fifth by which one instance's warm request
-differs from the next one's, which the first ratio carries; the plain instance asks its third
+process (median of the pairs' ratios), free of the spread from one instance's warm request
+to the next one's, which the first ratio carries; the plain instance asks its third
 questions the same way, and ``ratio_local_prefix_cache_third_vs_second_question`` says whether
 a third question is as fast as the second (so a fair floor);
 ``ratio_warm_xinstance_vs_{mooncake,lmcache}`` B's over the baseline's B (lower is better:
@@ -196,8 +196,8 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
     full = sum(len(s) // BLOCK * BLOCK for s in systems)
     warm_x = statistics.median(r["ttft_s"] for r in fresh)
     warm_local = statistics.median(r["ttft_s"] for r in floor)
-    # A third question right after each request, in the same process: the floor paired with
-    # it (only where vLLM's own cache held all that the request had from kvstore).
+    # A third question in the same process (right after each request, or after them all):
+    # the floor paired with it, where vLLM's own cache held all the request had from kvstore.
     third_local = statistics.median(r["ttft_floor_s"] for r in floor)
     pairs_hit = [r for r in fresh if r["cached_floor"] == r["cached"] > 0]
     paired = statistics.median(r["ttft_s"] / r["ttft_floor_s"] for r in pairs_hit or fresh)

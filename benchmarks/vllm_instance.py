@@ -17,10 +17,10 @@ nor saves (``kvstore_bypass``): the same engine without the cache, the reference
 is compared with. ``floor_prompts`` (one per prompt, or None): after each prompt's generation,
 the first token of its floor prompt (another question on the same system prompt) is timed too
 (``ttft_floor_s``, ``cached_floor``), kvstore bypassed: a hit in vLLM's own prefix cache in the
-same process a moment after the timed request, the floor paired with it, free of the fifth by
-which one instance differs from the next. (Not the same prompt again: a repeat measured about
-a tenth faster than another question on the same system.) ``floors_after``: the floors are
-timed after all the prompts instead, each then as cold in the CPU's caches as a load.
+same process a moment after the timed request, the floor paired with it, free of the spread
+from one instance to the next. (Not the same prompt again: a repeat measured faster than
+another question on the same system.) ``floors_after``: the floors are timed after all the
+prompts instead, each then as cold in the CPU's caches as a load.
 
 ``phases`` (a list of such jobs' prompt settings: ``prompts``, ``salts``, ``together``,
 ``bypass``, ``stop_cluster_after``) runs one after another on the same engine, vLLM's own
@@ -47,6 +47,8 @@ from typing import Any
 #: no connector's per-request cost, is untimed. 288 tokens: whole blocks of 32 and one whole
 #: chunk of 256 (LMCache saves whole chunks only), for every connector alike.
 WARMUP_PROMPT = [3 + (i * 7919) % 300 for i in range(288)]
+#: A request's ``extra_args`` that has kvstore's connector neither load nor save it.
+BYPASS = {"kv_transfer_params": {"kvstore_bypass": True}}
 
 
 def run(job: dict[str, Any]) -> list[dict[str, Any]]:
@@ -80,24 +82,19 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _phase(llm: Any, job: dict[str, Any], phase: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    extra = {"kv_transfer_params": {"kvstore_bypass": True}} if phase.get("bypass") else None
+    extra = BYPASS if phase.get("bypass") else None
     first = SamplingParams(max_tokens=1, temperature=0, extra_args=extra)
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=0, logprobs=1,
                             extra_args=extra)
-    requests = []
     salts = phase.get("salts") or [None] * len(phase["prompts"])
-    for prompt, salt in zip(phase["prompts"], salts, strict=True):
-        request = TokensPrompt(prompt_token_ids=prompt)
-        if salt:
-            request["cache_salt"] = salt
-        requests.append(request)
+    requests = [_prompt(p, salt) for p, salt in zip(phase["prompts"], salts, strict=True)]
     if phase.get("together"):  # one batch: vLLM admits and decodes them together (no TTFT)
         return [_result(out, None, out.num_cached_tokens)
                 for out in llm.generate(requests, params, use_tqdm=False)]
     results = []
     floors = phase.get("floor_prompts") or job.get("floor_prompts")
+    floors_after = phase.get("floors_after") or job.get("floors_after")
     for n, request in enumerate(requests):
         t0 = time.perf_counter()
         [head] = llm.generate([request], first, use_tqdm=False)
@@ -106,42 +103,40 @@ def _phase(llm: Any, job: dict[str, Any], phase: dict[str, Any]) -> list[dict[st
             importlib.import_module("tools.vllm_timeline").mark(f"prompt-{n}", t0, t0 + ttft)
         [out] = llm.generate([request], params, use_tqdm=False)
         results.append(_result(out, ttft, head.num_cached_tokens))
-        if floors and floors[n] and not job.get("floors_after"):
-            _floor(llm, floors[n], salts[n], n, results[-1])
+        if floors and floors[n] and not floors_after:
+            _time_floor(llm, _prompt(floors[n], salts[n]), n, results[-1])
         if n == phase.get("stop_cluster_after"):
             subprocess.run([sys.executable, "-m", "kvstore.cli", "stop"], check=True,
                            capture_output=True, timeout=300)
-    if floors and job.get("floors_after"):
+    if floors and floors_after:
         for n, (tokens, salt) in enumerate(zip(floors, salts, strict=True)):
             if tokens:
-                _floor(llm, tokens, salt, n, results[n])
+                _time_floor(llm, _prompt(tokens, salt), n, results[n])
     return results
 
 
-def _floor(llm: Any, tokens: list[int], salt: str | None, n: int, result: dict[str, Any]
-           ) -> None:
+def _prompt(tokens: list[int], salt: str | None) -> Any:
     from vllm.inputs import TokensPrompt
 
-    floor = TokensPrompt(prompt_token_ids=tokens)
+    request = TokensPrompt(prompt_token_ids=tokens)
     if salt:
-        floor["cache_salt"] = salt
-    result["ttft_floor_s"], result["cached_floor"] = _floor_ttft(llm, floor, f"floor-{n}")
+        request["cache_salt"] = salt
+    return request
 
 
-def _floor_ttft(llm: Any, request: Any, label: str) -> tuple[float, int | None]:
-    """A request's first token with kvstore bypassed (a hit in vLLM's own prefix cache, for
-    a prompt whose prefix the last request brought in); and the prompt tokens it did not
-    compute."""
+def _time_floor(llm: Any, request: Any, n: int, result: dict[str, Any]) -> None:
+    """Adds to ``result`` the first token's time of ``request`` with kvstore bypassed (a hit
+    in vLLM's own prefix cache, for a prompt whose prefix an earlier request brought in) and
+    the prompt tokens it did not compute."""
     from vllm import SamplingParams
 
-    once = SamplingParams(max_tokens=1, temperature=0,
-                          extra_args={"kv_transfer_params": {"kvstore_bypass": True}})
+    once = SamplingParams(max_tokens=1, temperature=0, extra_args=BYPASS)
     t0 = time.perf_counter()
     [out] = llm.generate([request], once, use_tqdm=False)
     ttft = time.perf_counter() - t0
     if os.environ.get("KVSTORE_TIMELINE"):
-        importlib.import_module("tools.vllm_timeline").mark(label, t0, t0 + ttft)
-    return ttft, out.num_cached_tokens
+        importlib.import_module("tools.vllm_timeline").mark(f"floor-{n}", t0, t0 + ttft)
+    result["ttft_floor_s"], result["cached_floor"] = ttft, out.num_cached_tokens
 
 
 def _result(out: Any, ttft: float | None, cached: int | None) -> dict[str, Any]:
