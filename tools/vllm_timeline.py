@@ -2,9 +2,11 @@
 
 vLLM runs its scheduler and its worker in processes of their own, so a profiler in one of them
 sees half a request. ``TimedKVStoreConnector`` is ``KVStoreConnector`` with every vLLM hook, and
-the worker's fetch and writes, logged as ``pid name start end`` lines (``time.perf_counter``,
-the system's monotonic clock, the same in every process) to ``$KVSTORE_TIMELINE``; a
-client marks each request with ``mark``. Load it as any connector::
+the work inside them (the lookup's lease, the headers' check, the fetch, the writes: on the
+spare core each layer's, then the tags' check, under the forward), logged as
+``pid name start end`` lines (``time.perf_counter``, the system's monotonic clock, the same in
+every process) to ``$KVSTORE_TIMELINE``; a client marks each request with ``mark``. Load it
+as any connector::
 
     kv_transfer_config={"kv_connector": "TimedKVStoreConnector",
                         "kv_connector_module_path": "tools.vllm_timeline", "kv_role": "kv_both"}
@@ -32,7 +34,7 @@ HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connec
          "wait_for_save",
          "get_finished")
 #: Per-layer calls: left out of the summary unless asked for (``--layers``).
-LAYER_HOOKS = ("wait_for_layer_load",)
+LAYER_HOOKS = ("wait_for_layer_load", "spare_write")
 
 
 def log_path() -> str:
@@ -65,7 +67,9 @@ def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 def _timed_connector() -> type:
     """``KVStoreConnector`` whose calls are logged to the timeline; made on first use, so the
     summary (``main``) never imports vLLM."""
-    from kvstore.integrations.vllm import worker_side
+    from kvstore.client.arena_blocks import ArenaBlocks
+    from kvstore.client.cluster_store import ClusterStore
+    from kvstore.integrations.vllm import spare_core, worker_side
     from kvstore.integrations.vllm.connector import KVStoreConnector
 
     class TimedKVStoreConnector(KVStoreConnector):
@@ -79,6 +83,15 @@ def _timed_connector() -> type:
         setattr(TimedKVStoreConnector, hook, timed(hook, getattr(KVStoreConnector, hook)))
     # The writes into vLLM's cache, inside start_load_kv (once: every connector's).
     worker_side.scatter_blocks = timed("write", worker_side.scatter_blocks)
+    # Inside the lookup: the lease's round trip to this host's node. Inside start_load_kv:
+    # the leased blocks' headers checked in the arena. On the spare core, under the forward:
+    # each layer's writes, then the tags' check.
+    ClusterStore.lease_prefix = timed(  # type: ignore[method-assign]
+        "lease_prefix", ClusterStore.lease_prefix)
+    ClusterStore.arena_blocks = timed(  # type: ignore[method-assign]
+        "arena_blocks", ClusterStore.arena_blocks)
+    spare_core.scatter_layer = timed("spare_write", spare_core.scatter_layer)
+    ArenaBlocks.verify = timed("verify", ArenaBlocks.verify)  # type: ignore[method-assign]
     return TimedKVStoreConnector
 
 

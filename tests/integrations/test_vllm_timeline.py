@@ -26,6 +26,13 @@ def test_every_hook_is_timed_and_still_called(timeline: Path) -> None:
     for name in vllm_timeline.HOOKS:  # the timed connector's hooks wrap the connector's own
         assert getattr(vllm_timeline.TimedKVStoreConnector, name).__wrapped__ is \
             getattr(KVStoreConnector, name)
+    # and so is the work inside them: the lease, the headers, the spare core's writes and check
+    from kvstore.client.arena_blocks import ArenaBlocks
+    from kvstore.client.cluster_store import ClusterStore
+    from kvstore.integrations.vllm import spare_core
+    for fn in (ClusterStore.lease_prefix, ClusterStore.arena_blocks, spare_core.scatter_layer,
+               ArenaBlocks.verify):
+        assert hasattr(fn, "__wrapped__"), fn
     calls = []
 
     def lookup(request: object, computed: int) -> tuple[int, bool]:
