@@ -21,8 +21,8 @@ ND layout of ``paged_cache_load``, and the same tensor as ``kv_cache_scatter``'s
   over the cache's block axis: the same bytes in the same places, in one pass
   (``tests/integrations/test_vllm_paged_layout.py`` checks both layouts against plain
   indexing). A run of payloads bound for consecutive blocks (what vLLM usually allocates a
-  request) is one slice ``copy_``, faster than ``index_copy_``'s indexed rows (README, "With
-  vLLM"); blocks scattered in many runs take ``index_copy_``.
+  request) is one slice ``copy_``, faster than ``index_copy_``'s indexed rows
+  (docs/vllm-measurements.md); blocks scattered in many runs take ``index_copy_``.
 
 Backends whose cache is in neither known layout are refused when the caches are registered,
 naming the shape seen, rather than read wrongly.

@@ -182,7 +182,7 @@ class WorkerSide:
         on a GPU, where the writes are copies on a stream of their own; on a CPU, layer by
         layer where the process may run on a core the forward does not use (``spare_core``),
         else whole before the forward, as a writer thread on the forward's own cores takes
-        their time instead of hiding under it (README, "With vLLM")."""
+        their time instead of hiding under it (docs/vllm-measurements.md)."""
         self.store = store
         self.namespace_of = namespace_of
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
