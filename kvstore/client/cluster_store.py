@@ -41,6 +41,7 @@ from kvstore.api import (
 from kvstore.block import block_nbytes, payload_offset
 from kvstore.block_batch import encode_blocks_into
 from kvstore.client.arena_blocks import ArenaBlocks, arena_blocks
+from kvstore.client.arena_populate import Populator
 from kvstore.client.device_copy import DeviceRows, dma_path, target_device
 from kvstore.client.directory import Directory, lister, resolver
 from kvstore.client.early_fetch import EarlyFetch
@@ -235,6 +236,17 @@ class ClusterStore:
             log.debug("warming up the client of %s failed: %s", self.local_node_id[:12], exc)
             return False
         return True
+
+    def populate_arena(self, cores: set[int] | None = None) -> Populator | None:
+        """Start mapping this host's node's arena into this process in the background, so a
+        fresh reader's first reads take no page faults (``ShmReader.populate``); None where
+        there is no such node or arena."""
+        client = self._client_or_none(self.local_node_id)
+        try:
+            return None if client is None else client.populate_arena(cores)
+        except OSError as exc:  # the arena cannot be mapped: reads go the usual way
+            log.debug("populating the arena of %s failed: %s", self.local_node_id[:12], exc)
+            return None
 
     def batch_get_into(self, namespace: Namespace, keys: Sequence[bytes],
                        token_ids: Sequence[TokenIds], out: torch.Tensor, *,

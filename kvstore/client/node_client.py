@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
+from kvstore.client.arena_populate import Populator
 from kvstore.client.bulk_client import BulkClient
 from kvstore.client.device_copy import DeviceRows, StagingPool
 from kvstore.client.device_reads import shm_into_device, staged_into_device
@@ -249,6 +250,11 @@ class StoreNodeClient:
         self.health()
         if self.same_node:
             self._reader()
+
+    def populate_arena(self, cores: set[int] | None = None) -> Populator | None:
+        """On the same node, start mapping the whole arena in the background
+        (``ShmReader.populate``); None elsewhere."""
+        return self._reader().populate(cores) if self.same_node else None
 
     def prepare_device_reads(self, device: Any, *, wait: bool = False) -> bool:
         """Start page-locking the holder's arena for DMA into ``device`` (same node only), in

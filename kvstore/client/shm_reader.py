@@ -25,6 +25,7 @@ import torch
 from kvstore.block import BlockHeader, block_nbytes, payload_offset, tag_hasher, verify_block
 from kvstore.block_batch import verify_blocks
 from kvstore.client import device_checksum, device_copy
+from kvstore.client.arena_populate import Populator
 from kvstore.client.verify_pool import parallel_map
 from kvstore.errors import BlockCorrupted, BlockMismatch
 from kvstore.keys import Namespace
@@ -91,6 +92,7 @@ class ShmReader:
         self._tensor: torch.Tensor | None = None
         self._pinned: bool | None = None  # page-locked for DMA: unknown until a CUDA read
         self._pin_thread: threading.Thread | None = None
+        self._populator: Populator | None = None
         self._pin_device: torch.device | None = None
         self._lock = threading.Lock()
 
@@ -119,6 +121,15 @@ class ShmReader:
                     warnings.simplefilter("ignore", UserWarning)
                     self._tensor = torch.from_numpy(self._arr)
             return self._tensor[offset : offset + nbytes]
+
+    def populate(self, cores: set[int] | None = None) -> Populator:
+        """Start mapping every page of the arena into this process, in the background (on
+        ``cores`` when given), so later reads take no page faults (``arena_populate``); once
+        per reader."""
+        with self._lock:
+            if self._populator is None:
+                self._populator = Populator(self._arr.ctypes.data, self.size, cores)
+            return self._populator
 
     def pin_for_dma(self, device: torch.device | None = None, *, wait: bool = True) -> bool:
         """Whether the whole mapping is page-locked (``cudaHostRegister``, read-only) so CUDA
@@ -231,6 +242,8 @@ class ShmReader:
             return
         if self._pin_thread is not None:
             self._pin_thread.join()  # never unmap memory the driver is still registering
+        if self._populator is not None:
+            self._populator.stop()  # nor memory the kernel is mapping
         if self._pinned:
             device_copy.unregister_host(self._arr.ctypes.data, self._pin_device)
             self._pinned = False

@@ -118,6 +118,16 @@ def test_a_block_damaged_in_the_arena_is_a_load_error_from_it_on(cluster) -> Non
     store.close()
 
 
+def test_registering_maps_the_arena_on_the_spare_core(cluster) -> None:
+    worker, store, _ = reader(cluster)
+    populator = store._client("node-a")._shm._populator  # started by register
+    populator.join(timeout=60)
+    assert populator.cores == any_core() and populator.done
+    assert populator.mapped == store._client("node-a")._shm.size
+    worker.close()
+    store.close()
+
+
 @pytest.mark.parametrize("lease", ["none", "stale"])
 def test_blocks_without_a_fresh_lease_are_fetched_on_the_spare_core(cluster, lease: str
                                                                      ) -> None:

@@ -211,7 +211,8 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's per-layer caches, in layer order; connects to the store node now, so the
-        first request does not pay for it."""
+        first request does not pay for it, and on a CPU starts mapping its arena (off the
+        forward's cores where there are spare ones), so loads take no page faults."""
         names = sorted(kv_caches, key=layer_order)
         self.layers = [layer_cache(kv_caches[name], self.num_kv_heads, self.head_dim)
                        for name in names]
@@ -241,6 +242,9 @@ class WorkerSide:
         warm_up = getattr(self.store, "warm_up", None)  # ClusterStore; LocalStore has none
         if warm_up is not None:
             warm_up()
+        populate = getattr(self.store, "populate_arena", None)
+        if on_cpu and populate is not None:  # loads copy out of the arena: no page faults
+            populate(None if self._spare is None else self._spare.cores)
 
     # -- loads ---------------------------------------------------------------------------
     def load(self, plan: StepPlan) -> None:
