@@ -26,8 +26,9 @@ log = logging.getLogger(__name__)
 
 #: ``MADV_POPULATE_READ`` from Linux's ``mman-common.h`` (Python 3.11's mmap does not name it).
 MADV_POPULATE_READ = 22
-#: Bytes mapped per call: a step that unmapping may wait for (a few milliseconds).
-STEP = 16 << 20
+#: Bytes mapped per call: a step that unmapping, or a forward's own mmap (the kernel lets it
+#: wait for the address space's lock), may wait for: well under a millisecond.
+STEP = 4 << 20
 
 
 @functools.cache
