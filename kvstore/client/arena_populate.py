@@ -2,14 +2,14 @@
 
 A process that maps the store node's arena takes a page fault the first time it touches each
 few pages of it (the kernel maps at most 64 KiB of a shared file per fault). A fresh reader's
-first pass over the blocks it loads pays for those inside its copies: in a vLLM worker, about
-a third of each layer's copy out of the arena, and part of the headers' check before the
-forward. ``Populator`` maps every page once, in the background, with ``MADV_POPULATE_READ``
-(Linux 5.14 and later) called through ctypes, which leaves Python's lock to the other threads
-while the kernel works (``mmap.madvise`` holds it); a step at a time, so unmapping waits for
-one step at most. It costs page tables of about 0.2 % of the arena, what reading every block
-once costs anyway. Elsewhere (an older kernel, another system) it maps nothing, and reads
-fault pages in as before.
+first pass over the blocks it loads pays for those inside its copies (in a vLLM worker, a
+large part of each layer's copy out of the arena, and of the headers' check before the
+forward: docs/vllm-measurements.md). ``Populator`` maps every page once, in the background,
+with ``MADV_POPULATE_READ`` (Linux 5.14 and later) called through ctypes, which leaves
+Python's lock to the other threads while the kernel works (``mmap.madvise`` holds it); a step
+at a time, so unmapping waits for one step at most. It costs page tables of about 0.2 % of the
+arena, what reading every block once costs anyway. Elsewhere (an older kernel, another system)
+it maps nothing, and reads fault pages in as before.
 """
 
 from __future__ import annotations
