@@ -54,28 +54,29 @@ class Populator:
         self.mapped = 0  # bytes mapped so far
         self.done = False  # every page mapped
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(cores,), daemon=True,
+        self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="kvstore-arena-populate")
         self._thread.start()
 
-    def _run(self, cores: set[int] | None) -> None:
-        if cores:
+    def _run(self) -> None:
+        if self.cores:
             try:
-                os.sched_setaffinity(0, cores)
+                os.sched_setaffinity(0, self.cores)
             except OSError as exc:  # then on whatever cores the process may use
-                log.debug("populating the arena off cores %s failed: %s", sorted(cores), exc)
+                log.debug("populating the arena off cores %s failed: %s", sorted(self.cores),
+                          exc)
         madvise = libc_madvise()
         if madvise is None:
             return
         for start in range(0, self.size, STEP):
             if self._stop.is_set():
                 return
-            if madvise(self.address + start, min(STEP, self.size - start),
-                       MADV_POPULATE_READ) != 0:
+            length = min(STEP, self.size - start)
+            if madvise(self.address + start, length, MADV_POPULATE_READ) != 0:
                 log.debug("populating the arena stopped at %d bytes: %s", start,
                           os.strerror(ctypes.get_errno()))
                 return  # an older kernel (EINVAL): reads fault pages in as they go
-            self.mapped = start + min(STEP, self.size - start)
+            self.mapped = start + length
         self.done = True
 
     def join(self, timeout: float | None = None) -> None:
