@@ -26,6 +26,11 @@ if TYPE_CHECKING:  # the redis client is imported where a test needs Redis: a GP
 # demanded a token (InvalidAuthToken). One mode for the whole session, set before anything
 # imports Ray: every process a test starts inherits it (multi-host tests set their own).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# A new GCS has 30 s to write its port file. On a loaded 2-core CI box one start missed it
+# (a module's cluster fixture failed: "Timed out waiting for file .../gcs_server_port_...").
+# Ray's documented override, inherited by every Ray process a test starts; a start that
+# still misses it is retried once (tests/support/local_ray.py).
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

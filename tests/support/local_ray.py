@@ -1,11 +1,13 @@
 """Private Ray starts in tests that survive one slow start.
 
 Ray gives a new raylet 30 s to register with the GCS (``ray/_private/node.py``, not
-configurable). On a loaded 2-core CI box a start can miss that and raise "The current node
-timed out during startup" although nothing is wrong with the test. ``start_surviving_slow``
-then stops what the half-finished start spawned (its processes, found as new children of this
-process, killed by PID; Ray forgets the failed node with them) and starts once more. Any other
-error is raised at once.
+configurable), and a new GCS 30 s to write its port file (``RAY_gcs_server_port_wait_time_s``,
+which tests/conftest.py raises). On a loaded 2-core CI box a start can miss either and raise
+"The current node timed out during startup" or "Timed out waiting for file .../gcs_server_port_..."
+although nothing is wrong with the test. ``start_surviving_slow`` then stops what the
+half-finished start spawned (its processes, found as new children of this process, killed by
+PID; Ray forgets the failed node with them) and starts once more. Any other error is raised at
+once.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ log = logging.getLogger(__name__)
 
 #: Starts tried in all (the first and one retry).
 LOCAL_RAY_STARTS = 2
-_SLOW_START = "timed out during startup"
+#: What Ray's errors say when a start was only slow: the raylet, or the GCS's port file.
+_SLOW_STARTS = ("timed out during startup", "Timed out waiting for file")
 T = TypeVar("T")
 
 
@@ -46,13 +49,14 @@ def _kill(pids: set[int]) -> None:
 
 
 def start_surviving_slow(start: Callable[[], T], *, what: str = "local Ray") -> T:
-    """``start()``; after Ray's registration timeout, clean up and call it once more."""
+    """``start()``; after one of Ray's start-up timeouts, clean up and call it once more."""
     for attempt in range(1, LOCAL_RAY_STARTS + 1):
         before = _descendants()
         try:
             return start()
         except Exception as exc:
-            if _SLOW_START not in str(exc) or attempt == LOCAL_RAY_STARTS:
+            slow = any(sign in str(exc) for sign in _SLOW_STARTS)
+            if not slow or attempt == LOCAL_RAY_STARTS:
                 raise
             log.warning("%s start %d timed out (a busy machine); starting again", what, attempt)
             ray.shutdown()

@@ -1,4 +1,4 @@
-"""init_local_ray starts again after Ray's 30 s raylet-registration timeout, and only then."""
+"""init_local_ray starts again after Ray's start-up timeouts (raylet or GCS), and only then."""
 
 from __future__ import annotations
 
@@ -28,6 +28,16 @@ SLOW = Exception("The current node timed out during startup. This could happen b
 
 def test_a_slow_start_is_shut_down_and_started_again(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeRay([SLOW])
+    monkeypatch.setattr(local_ray, "ray", fake)
+    local_ray.init_local_ray(num_cpus=2)
+    assert fake.calls == ["init address=local", "shutdown", "init address=local"]
+
+
+GCS_SLOW = RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_abc")
+
+
+def test_a_gcs_that_missed_its_port_file_is_started_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeRay([GCS_SLOW])
     monkeypatch.setattr(local_ray, "ray", fake)
     local_ray.init_local_ray(num_cpus=2)
     assert fake.calls == ["init address=local", "shutdown", "init address=local"]
