@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +36,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
 MAX_TOKENS = 8
+#: The concurrency test's anchor decodes this long (the engine holds 2,048 tokens).
+ANCHOR_TOKENS = 1024
 SYSTEM = [(i * 37) % 350 + 5 for i in range(300)]  # 9 full blocks and 12 tokens
 QUESTIONS = [[11 + i, 12, 13 + 2 * i, 14, 15 + 3 * i][: 3 + i % 3] for i in range(6)]
 PROMPTS = [SYSTEM + q for q in QUESTIONS]
@@ -103,11 +106,28 @@ def test_pd_output_equals_a_single_instance_and_decode_loads_the_full_blocks(
 
 def test_concurrent_users_decode_in_one_batch_with_the_same_tokens(
         server, client, reference) -> None:
-    # Long answers keep each request decoding long enough for the others to join its steps
-    # on a slow machine too; greedy, so their first MAX_TOKENS are the reference's.
-    with ThreadPoolExecutor(len(PROMPTS) - 1) as pool:
-        answers = list(pool.map(lambda p: complete(client, p, 8 * MAX_TOKENS), PROMPTS[1:]))
-    assert [a[:MAX_TOKENS] for a in answers] == reference[1:]
+    # An anchor request decodes for a long time, and the others are sent once its first token
+    # is out: they join its steps however slow the machine, their prefill and load taking a
+    # fraction of its decode (answers of a fixed length each raced one another, and on a
+    # loaded CI machine each was done before the next one reached the decode instance).
+    anchor = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=ANCHOR_TOKENS,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    started, chunks = threading.Event(), []
+
+    def read_anchor() -> None:
+        for chunk in anchor:
+            chunks.append(chunk)
+            started.set()
+        started.set()
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        reading = pool.submit(read_anchor)
+        assert started.wait(300), "the anchor request produced no token"
+        answers = list(pool.map(lambda p: complete(client, p), PROMPTS[1:]))
+        reading.result(timeout=600)
+    assert answers == reference[1:]
+    assert chunks and chunks[-1].choices[0].finish_reason == "length"
     decode = health(server)["decode"]
     assert decode["peak_tokens_per_step"] >= 2, decode  # vLLM's continuous batching
     assert decode["cached_tokens"] >= len(PROMPTS) * (len(SYSTEM) // BLOCK * BLOCK)
