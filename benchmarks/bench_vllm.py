@@ -10,7 +10,11 @@ cluster, Mooncake's and LMCache's) on the other cores:
 1. no connector: each system's first question cold, its second warm from vLLM's own prefix
    cache in the same process: the floor a cross-instance hit is measured against; then the
    same with a connector that does nothing (``benchmarks.baselines.null_connector``): the
-   cost of vLLM's connector machinery alone, which every connector pays;
+   cost of vLLM's connector machinery alone, which every connector pays; and with a
+   connector that only moves a load's bytes (``benchmarks.baselines.copy_floor_connector``:
+   on each local hit, the copies and checks of a kvstore load of its blocks, on the spare
+   core under the forward, into memory vLLM never reads): what moving them costs the
+   forward on this machine, whoever moves them;
 2. a kvstore cluster (a private Ray head) and instance A with the connector: the first
    questions, which publish each system prompt;
 3. a fresh instance B with the connector: the second questions, whose prefix exists only in
@@ -64,6 +68,10 @@ BLOCK = 32
 NULL_CONNECTOR = {"kv_connector": "NullConnector",
                   "kv_connector_module_path": "benchmarks.baselines.null_connector",
                   "kv_role": "kv_both"}
+#: A connector that moves the bytes of a load of each local hit, and does nothing else.
+COPY_FLOOR_CONNECTOR = {"kv_connector": "CopyFloorConnector",
+                        "kv_connector_module_path": "benchmarks.baselines.copy_floor_connector",
+                        "kv_role": "kv_both"}
 SKIPPED: dict[str, str] = {}
 
 
@@ -185,6 +193,9 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
     # The same with a connector that does nothing: vLLM's connector machinery alone.
     null_floor = instance(env, model, interleaved, None, new_tokens,
                           transfer=NULL_CONNECTOR)[1::2]
+    # ... and with one that moves a load's bytes under the forward: the floor of a copy.
+    copy_floor = instance(env, model, interleaved, None, new_tokens,
+                          transfer=COPY_FLOOR_CONNECTOR)[1::2]
     kvstore = start_kvstore(env, off_forward=True)
     try:
         instance(env, model, first, "kv_both", new_tokens)
@@ -202,6 +213,7 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
     pairs_hit = [r for r in fresh if r["cached_floor"] == r["cached"] > 0]
     paired = statistics.median(r["ttft_s"] / r["ttft_floor_s"] for r in pairs_hit or fresh)
     warm_null = statistics.median(r["ttft_s"] for r in null_floor)
+    warm_copy = statistics.median(r["ttft_s"] for r in copy_floor)
     cold_s = statistics.median(r["ttft_s"] for r in cold)
     diff = max(abs(a - b) for x, y in zip(fresh, floor, strict=True)
                for a, b in zip(x["logprobs"], y["logprobs"], strict=True))
@@ -229,6 +241,9 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
         "ttft_warm_local_prefix_cache_null_connector_s": warm_null,
         "ratio_null_connector_vs_local_prefix_cache": warm_null / warm_local,
         "ratio_warm_xinstance_vs_null_connector_prefix_cache": warm_x / warm_null,
+        "ttft_warm_local_prefix_cache_copy_floor_s": warm_copy,
+        "ratio_copy_floor_vs_local_prefix_cache": warm_copy / warm_local,
+        "ratio_warm_xinstance_vs_copy_floor": warm_x / warm_copy,
         "ratio_cold_vs_warm_xinstance": cold_s / warm_x,
         "cached_tokens_vs_full_blocks": sum(r["cached"] for r in fresh) / full,
         "outputs_equal": all(x["tokens"] == y["tokens"] for x, y in
@@ -267,6 +282,9 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
         ("TTFT warm, own prefix cache with a do-nothing connector (s)", f"{warm_null:.3f}",
          f"{warm_null / warm_local:.2f}x the floor: vLLM's connector machinery alone"),
         ("fresh from kvstore / that", f"{warm_x / warm_null:.2f}", ""),
+        ("TTFT warm, own prefix cache, a load's bytes moved aside (s)", f"{warm_copy:.3f}",
+         f"{warm_copy / warm_local:.2f}x the floor: moving the bytes alone"),
+        ("fresh from kvstore / that", f"{warm_x / warm_copy:.2f}", "kvstore's own cost"),
         ("cached tokens / full blocks", f"{figures['cached_tokens_vs_full_blocks']:.2f}", "1.0"),
         ("outputs = no connector", str(figures["outputs_equal"]), "True"),
         ("largest logprob difference", f"{diff:.2e}", ""),
