@@ -194,8 +194,11 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
     null_floor = instance(env, model, interleaved, None, new_tokens,
                           transfer=NULL_CONNECTOR)[1::2]
     # ... and with one that moves a load's bytes under the forward: the floor of a copy.
+    # Each paired with a third question right after it, moving nothing (kvstore_bypass).
     copy_floor = instance(env, model, interleaved, None, new_tokens,
-                          transfer=COPY_FLOOR_CONNECTOR)[1::2]
+                          transfer=COPY_FLOOR_CONNECTOR,
+                          floors=[p for third in thirds for p in (None, third)],
+                          floors_after=args.floors_after)[1::2]
     kvstore = start_kvstore(env, off_forward=True)
     try:
         instance(env, model, first, "kv_both", new_tokens)
@@ -214,6 +217,7 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
     paired = statistics.median(r["ttft_s"] / r["ttft_floor_s"] for r in pairs_hit or fresh)
     warm_null = statistics.median(r["ttft_s"] for r in null_floor)
     warm_copy = statistics.median(r["ttft_s"] for r in copy_floor)
+    paired_copy = statistics.median(r["ttft_s"] / r["ttft_floor_s"] for r in copy_floor)
     cold_s = statistics.median(r["ttft_s"] for r in cold)
     diff = max(abs(a - b) for x, y in zip(fresh, floor, strict=True)
                for a, b in zip(x["logprobs"], y["logprobs"], strict=True))
@@ -244,6 +248,7 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
         "ttft_warm_local_prefix_cache_copy_floor_s": warm_copy,
         "ratio_copy_floor_vs_local_prefix_cache": warm_copy / warm_local,
         "ratio_warm_xinstance_vs_copy_floor": warm_x / warm_copy,
+        "ratio_copy_floor_vs_local_prefix_cache_same_instance": paired_copy,
         "ratio_cold_vs_warm_xinstance": cold_s / warm_x,
         "cached_tokens_vs_full_blocks": sum(r["cached"] for r in fresh) / full,
         "outputs_equal": all(x["tokens"] == y["tokens"] for x, y in
@@ -285,6 +290,8 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
         ("TTFT warm, own prefix cache, a load's bytes moved aside (s)", f"{warm_copy:.3f}",
          f"{warm_copy / warm_local:.2f}x the floor: moving the bytes alone"),
         ("fresh from kvstore / that", f"{warm_x / warm_copy:.2f}", "kvstore's own cost"),
+        ("moving the bytes alone, each against a third question right after it",
+         f"{paired_copy:.2f}", "median of the pairs: compare kvstore's"),
         ("cached tokens / full blocks", f"{figures['cached_tokens_vs_full_blocks']:.2f}", "1.0"),
         ("outputs = no connector", str(figures["outputs_equal"]), "True"),
         ("largest logprob difference", f"{diff:.2e}", ""),

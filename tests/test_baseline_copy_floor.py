@@ -31,10 +31,14 @@ def make_connector() -> tuple[CopyFloorConnector, dict[str, torch.Tensor]]:
 
 def test_the_scheduler_side_counts_each_new_requests_local_hit_in_blocks() -> None:
     connector, _ = make_connector()
-    new = [SimpleNamespace(num_computed_tokens=n) for n in (0, 3, 8, 12)]
+    new = [SimpleNamespace(req_id=f"r{n}", num_computed_tokens=n) for n in (0, 3, 8, 12, 16)]
+    connector.get_num_new_matched_tokens(  # the paired floor's request: moves nothing
+        SimpleNamespace(request_id="r16", kv_transfer_params={"kvstore_bypass": True}), 16)
+    connector.get_num_new_matched_tokens(SimpleNamespace(request_id="r8",
+                                                         kv_transfer_params=None), 8)
     meta = connector.build_connector_meta(SimpleNamespace(scheduled_new_reqs=new))
     assert isinstance(meta, CopyFloorMetadata)
-    assert meta.hit_blocks == [2, 3]  # no hit, or less than a block: nothing to move
+    assert meta.hit_blocks == [2, 3]  # no hit, less than a block, or bypassed: nothing
 
 
 def test_each_layer_gets_every_hits_blocks_and_vllms_caches_stay_as_they_were() -> None:

@@ -18,7 +18,10 @@ hit's blocks, with no lookup, lease, plan or header:
 
 It never writes vLLM's caches, so outputs are vLLM's own. kvstore's time over this one's is
 what kvstore costs beyond the bytes any copying load must move; this one's over the floor is
-what the machine charges for moving them.
+what the machine charges for moving them. A request whose ``kv_transfer_params`` carry
+``{"kvstore_bypass": true}`` moves nothing, as kvstore's connector skips it: ``bench_vllm``
+pairs each warm request with such a one right after it in the same instance, as it pairs
+kvstore's.
 """
 
 from __future__ import annotations
@@ -66,10 +69,14 @@ class CopyFloorConnector(KVConnectorBase_V1):
         self.dest: torch.Tensor | None = None  # [layers, blocks, chunk] uint8: vLLM's caches
         self.pool: ThreadPoolExecutor | None = None
         self.step: _Step | None = None
+        self.bypassed: set[str] = set()  # scheduler side: requests that move nothing
 
     # -- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
+        params = getattr(request, "kv_transfer_params", None)
+        if isinstance(params, dict) and params.get("kvstore_bypass"):
+            self.bypassed.add(request.request_id)
         return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
@@ -77,9 +84,13 @@ class CopyFloorConnector(KVConnectorBase_V1):
         return None
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return CopyFloorMetadata([new.num_computed_tokens // self.block_size
-                                  for new in scheduler_output.scheduled_new_reqs
-                                  if new.num_computed_tokens >= self.block_size])
+        hits = []
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self.bypassed:
+                self.bypassed.discard(new.req_id)
+            elif new.num_computed_tokens >= self.block_size:
+                hits.append(new.num_computed_tokens // self.block_size)
+        return CopyFloorMetadata(hits)
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
