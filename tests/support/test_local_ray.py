@@ -24,20 +24,13 @@ class FakeRay:
 
 
 SLOW = Exception("The current node timed out during startup. This could happen because ...")
-
-
-def test_a_slow_start_is_shut_down_and_started_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeRay([SLOW])
-    monkeypatch.setattr(local_ray, "ray", fake)
-    local_ray.init_local_ray(num_cpus=2)
-    assert fake.calls == ["init address=local", "shutdown", "init address=local"]
-
-
 GCS_SLOW = RuntimeError("Timed out waiting for file /tmp/ray/session_x/gcs_server_port_abc")
 
 
-def test_a_gcs_that_missed_its_port_file_is_started_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = FakeRay([GCS_SLOW])
+@pytest.mark.parametrize("slow", [SLOW, GCS_SLOW], ids=["raylet", "gcs-port-file"])
+def test_a_slow_start_is_shut_down_and_started_again(monkeypatch: pytest.MonkeyPatch,
+                                                     slow: Exception) -> None:
+    fake = FakeRay([slow])
     monkeypatch.setattr(local_ray, "ray", fake)
     local_ray.init_local_ray(num_cpus=2)
     assert fake.calls == ["init address=local", "shutdown", "init address=local"]
