@@ -8,23 +8,32 @@ Workers depend on this protocol only, so the same engine runs on the embedded st
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal, Protocol, get_args
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from kvstore.errors import BlockCorrupted, BlockMismatch
 from kvstore.keys import Namespace
+from kvstore.records import (
+    MISS_CORRUPTED,
+    MISS_LEASE_EXPIRED,
+    MISS_MISMATCH,
+    MISS_NODE_UNAVAILABLE,
+    MISS_NOT_FOUND,
+    MISS_REASONS,
+    MissReason,
+    NodeAddress,
+    PoolStats,
+    PrefixHit,
+)
 
-#: Why a requested block did not come back. Metrics count misses by these.
-MissReason = Literal["not_found", "corrupted", "mismatch", "node_unavailable", "lease_expired"]
-MISS_REASONS: tuple[MissReason, ...] = get_args(MissReason)
-MISS_NOT_FOUND: MissReason = "not_found"
-MISS_CORRUPTED: MissReason = "corrupted"
-MISS_MISMATCH: MissReason = "mismatch"
-MISS_NODE_UNAVAILABLE: MissReason = "node_unavailable"
-MISS_LEASE_EXPIRED: MissReason = "lease_expired"
+__all__ = [
+    "MISS_CORRUPTED", "MISS_LEASE_EXPIRED", "MISS_MISMATCH", "MISS_NODE_UNAVAILABLE",
+    "MISS_NOT_FOUND", "MISS_REASONS", "BlockPut", "FetchedBlock", "KVStore", "Miss",
+    "MissReason", "NodeAddress", "PoolStats", "PrefixHit", "TokenIds",
+]
 
 TokenIds = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -62,57 +71,6 @@ class Miss:
         namespace included), else ``corrupted``; ``where`` (a node) prefixes the detail."""
         reason = MISS_MISMATCH if isinstance(exc, BlockMismatch) else MISS_CORRUPTED
         return cls(key, reason, f"{where}: {exc}" if where else str(exc))
-
-
-@dataclass(slots=True)
-class PrefixHit:
-    """The longest cached prefix of a key chain and, per block, the nodes holding it."""
-
-    num_blocks: int
-    holders: list[list[str]] = field(default_factory=list)
-
-    def blocks_per_node(self) -> dict[str, int]:
-        """Per node: how many blocks of the cached prefix it holds (the routers' affinity).
-
-        Only the first ``num_blocks`` entries of ``holders`` count, and a node listed twice for
-        one block counts once, so no node's count exceeds ``num_blocks``.
-        """
-        counts: dict[str, int] = {}
-        for nodes in self.holders[:self.num_blocks]:
-            for node in set(nodes):
-                counts[node] = counts.get(node, 0) + 1
-        return counts
-
-
-@dataclass(slots=True)
-class PoolStats:
-    """A snapshot of a store node's pool: heartbeats carry it to the coordinator and metrics."""
-
-    capacity_bytes: int
-    used_bytes: int
-    num_blocks: int
-    num_pinned: int
-    num_leased: int
-    hits: int
-    misses: int
-    evictions: int
-    # The disk tier under the arena (kvstore.node.tiered_pool); all 0 when the node has none.
-    disk_capacity_bytes: int = 0
-    disk_used_bytes: int = 0
-    disk_blocks: int = 0
-    disk_hits: int = 0
-
-
-@dataclass(slots=True)
-class NodeAddress:
-    """Where a store node listens: gRPC (control + data), the bulk byte channel, its arena file,
-    and its Prometheus ``/metrics`` (``host:port``; None when ``server.metrics_port`` is off)."""
-
-    node_id: str
-    grpc_address: str
-    bulk_address: str | None = None
-    shm_path: str | None = None
-    metrics_address: str | None = None
 
 
 class KVStore(Protocol):

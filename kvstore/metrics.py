@@ -22,7 +22,6 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from kvstore.api import MISS_REASONS, PoolStats
 from kvstore.reader_metrics import (
     PATHS,
     PREFILL_KINDS,
@@ -31,6 +30,7 @@ from kvstore.reader_metrics import (
     check_label,
 )
 from kvstore.reader_metrics import record_prefill_tokens as record_prefill_tokens
+from kvstore.records import MISS_REASONS, PoolStats
 
 #: Why a node evicted blocks: its pool was full on a put (capacity), the coordinator's
 #: high-watermark plan (watermark), a drain or a namespace invalidation, or an operator's Evict;

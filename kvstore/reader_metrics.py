@@ -15,7 +15,7 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvstore.api import MISS_CORRUPTED, MISS_MISMATCH, MISS_REASONS, MissReason
+from kvstore.records import MISS_CORRUPTED, MISS_MISMATCH, MISS_REASONS, MissReason
 
 #: How block bytes moved: gRPC messages, the bulk byte channel, or same-node shared memory.
 PATHS = ("grpc", "bulk", "shm")
@@ -93,7 +93,7 @@ def record_hits(num_blocks: int = 1) -> None:
 
 
 def record_miss(reason: MissReason, num_blocks: int = 1) -> None:
-    """Count misses by one of the ``kvstore.api.MISS_*`` reasons."""
+    """Count misses by one of the ``kvstore.records.MISS_*`` reasons."""
     check_label(reason, MISS_REASONS, "miss reason")
     with _lock:
         _pending.misses[reason] += num_blocks

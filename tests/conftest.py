@@ -31,6 +31,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # Ray's documented override, inherited by every Ray process a test starts; a start that
 # still misses it is retried once (tests/support/local_ray.py).
 os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+# A Ray node that gets SIGTERM drains for up to 30 s first (for Serve on Kubernetes). Every
+# cluster a test starts is thrown away whole, so each stop would only wait that drain out.
+os.environ.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -31,7 +31,7 @@ PACKAGES = ("kvstore",)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ground", ("kvstore.errors", "kvstore.constants", "kvstore.config", "kvstore.config_loader",
                 "kvstore.command_flags", "kvstore.keys", "kvstore.block", "kvstore.block_batch",
-                "kvstore.api", "kvstore.metrics", "kvstore.reader_metrics", "kvstore.gc_tuning",
+                "kvstore.api", "kvstore.records", "kvstore.metrics", "kvstore.reader_metrics", "kvstore.gc_tuning",
                 "kvstore.security", "kvstore.ops", "kvstore.protos", "kvstore.command_output")),
     ("index", ("kvstore.index",)),
     ("node", ("kvstore.node",)),
@@ -256,3 +256,21 @@ def test_public_api_at_the_package_top_loads_lazily():
         "    raise SystemExit('unknown names must raise AttributeError')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+#: What an operator command without a model loads, and what it unpickles to reach the cluster's
+#: actors (``ray.get_actor`` imports the actor's module): the coordinator, never a store node.
+CONTROL_PLANE = ("kvstore.cli.main", "kvstore.cli.status", "kvstore.cluster.lifecycle",
+                 "kvstore.cluster.operations", "kvstore.coordinator.actor", "kvstore.metrics")
+
+
+@pytest.mark.parametrize("module", CONTROL_PLANE)
+def test_the_control_plane_imports_no_torch(module):
+    """torch's import is most of a ``kvstore status``'s start-up (and of the coordinator's):
+    the modules those load keep to ``kvstore.records`` and never pull torch in."""
+    code = (f"import sys, {module}\n"
+            "if 'torch' in sys.modules:\n"
+            "    raise SystemExit('torch was imported: python -X importtime shows by whom')\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 
-from kvstore.api import NodeAddress
+from kvstore.records import NodeAddress
 
 Directory = Callable[[str], NodeAddress] | Callable[[], Mapping[str, NodeAddress]]
 

@@ -68,6 +68,10 @@ def _free_ports(n: int, exclude: Sequence[int] = ()) -> list[int]:
             s.close()
 
 
+#: Ray's bound on draining a node that got SIGTERM (``ray start --block`` handles it).
+DRAIN_TIMEOUT_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
+
+
 def head_command(port: int, temp_dir: str) -> list[str]:
     """The exact ``ray start`` line (all ports explicit); also what an operator could run."""
     ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS), exclude=[port]), strict=True))
@@ -111,6 +115,10 @@ def start_head(extra_args: Sequence[str] = ()) -> RecordedCluster:
     log_path = log_dir / "ray-head.log"
     env = {**os.environ, "RAY_AUTH_MODE": auth_mode, **LOOPBACK_ENV}
     env.pop("RAY_ADDRESS", None)
+    # On SIGTERM, Ray drains a node before stopping it, so that Serve on Kubernetes can hand
+    # replicas over; `kvstore stop` ends this whole private cluster, so draining only delays
+    # the stop until it times out. An operator's own setting still wins.
+    env.setdefault(DRAIN_TIMEOUT_ENV, "0")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([*head_command(port, temp_dir), *extra_args],
                                 stdin=subprocess.DEVNULL,

@@ -28,7 +28,6 @@ from typing import Any, cast
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from kvstore.api import NodeAddress
 from kvstore.cluster.address import (
     LOCAL,
     Resolved,
@@ -60,6 +59,7 @@ from kvstore.cluster.rotation import apply_overlay, clear_overlay
 from kvstore.config import KVStoreConfig
 from kvstore.errors import ClusterConflict, ClusterUnavailable
 from kvstore.node.grpc_setup import LOCAL_HOSTS
+from kvstore.records import NodeAddress
 
 #: How long start() waits for every store node to register before giving up.
 START_TIMEOUT_S = 60.0

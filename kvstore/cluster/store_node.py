@@ -25,7 +25,6 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from kvstore import metrics
-from kvstore.api import NodeAddress, PoolStats
 from kvstore.block import BlockHeader, verify_block_self
 from kvstore.client.node_client import StoreNodeClient
 from kvstore.cluster.evicting_pool import EvictingPool as EvictingPool
@@ -43,6 +42,7 @@ from kvstore.node.disk_tier import DiskTier
 from kvstore.node.grpc_setup import bind_node_ip
 from kvstore.node.store_server import StoreServer
 from kvstore.node.tiered_pool import TieredPool
+from kvstore.records import NodeAddress, PoolStats
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.api import NodeAddress, PoolStats, PrefixHit
 from kvstore.config import KVStoreConfig
 from kvstore.coordinator.core import CoordinatorCore
 from kvstore.coordinator.index_service import IndexServer
@@ -21,6 +20,7 @@ from kvstore.coordinator.worker_reports import WorkerTable
 from kvstore.gc_tuning import freeze_startup_objects
 from kvstore.index.base import IndexEntry
 from kvstore.node.grpc_setup import bind_node_ip
+from kvstore.records import NodeAddress, PoolStats, PrefixHit
 
 
 class Coordinator:

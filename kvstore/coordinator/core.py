@@ -27,7 +27,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvstore import metrics as prom
-from kvstore.api import NodeAddress, PoolStats, PrefixHit
 from kvstore.config import KVStoreConfig
 from kvstore.coordinator.catalog import NamespaceTable
 from kvstore.coordinator.liveness import NodeState, NodeStatus, NodeTable
@@ -39,6 +38,7 @@ from kvstore.coordinator.table_index import TableIndex
 from kvstore.index.base import Index, IndexEntry
 from kvstore.index.checks import check_keys, check_node_id, owned_by
 from kvstore.index.factory import make_index
+from kvstore.records import NodeAddress, PoolStats, PrefixHit
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import ray
 
-from kvstore.api import PrefixHit
 from kvstore.config import ClientConfig
 from kvstore.coordinator.index_service import FastPath, NoAnswer
 from kvstore.index.base import IndexEntry, InProcessMarker, KeyInfo
 from kvstore.index.checks import check_keys
+from kvstore.records import PrefixHit
 
 
 class CoordinatorIndex(InProcessMarker):

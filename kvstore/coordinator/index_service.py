@@ -28,7 +28,6 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvstore.api import PrefixHit
 from kvstore.config import ClientConfig, ServerConfig
 from kvstore.constants import KEY_NBYTES
 from kvstore.errors import KVStoreError, PermissionDenied, Unauthenticated
@@ -39,6 +38,7 @@ from kvstore.node.grpc_setup import open_channel, start_grpc_server
 from kvstore.node.grpc_status import error_from_rpc
 from kvstore.protos import kvstore_pb2 as pb
 from kvstore.protos import kvstore_pb2_grpc as pb_grpc
+from kvstore.records import PrefixHit
 
 #: Largest message either way: a lookup of 2,048 keys is 64 KiB, a reply a few more.
 MAX_MESSAGE_BYTES = 64 << 20

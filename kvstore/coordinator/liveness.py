@@ -13,9 +13,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvstore.api import NodeAddress, PoolStats
 from kvstore.coordinator.lru import MAX_NODES
 from kvstore.errors import KVStoreError
+from kvstore.records import NodeAddress, PoolStats
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.api import NodeAddress
 from kvstore.coordinator.liveness import NodeStatus
+from kvstore.records import NodeAddress
 
 
 @dataclass(slots=True)

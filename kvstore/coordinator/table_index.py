@@ -23,13 +23,13 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from kvstore.api import PrefixHit
 from kvstore.constants import KEY_NBYTES
 from kvstore.coordinator.holders import decode
 from kvstore.coordinator.lru import MAX_NODES, LRUTable
 from kvstore.errors import KVStoreError
 from kvstore.index.base import IndexEntry, InProcessMarker, KeyInfo
 from kvstore.index.checks import check_entries, check_keys, check_node_id, entry_columns
+from kvstore.records import PrefixHit
 
 #: distinct holder codes whose sorted node-id tuple is cached (one per replica set in use)
 _MAX_CACHED_MASKS = 4096

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvstore.api import PrefixHit
+from kvstore.records import PrefixHit
 
 
 @dataclass(slots=True)

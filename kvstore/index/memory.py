@@ -11,9 +11,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvstore.api import PrefixHit
 from kvstore.index.base import IndexEntry, InProcessMarker, KeyInfo
 from kvstore.index.checks import check_entries, check_keys, check_node_id
+from kvstore.records import PrefixHit
 
 
 @dataclass(slots=True)

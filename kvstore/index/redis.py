@@ -20,11 +20,11 @@ from redis.backoff import ExponentialBackoff
 from redis.commands.core import Script
 from redis.retry import Retry
 
-from kvstore.api import PrefixHit
 from kvstore.errors import ConfigError, IndexAuthError, IndexBackendError, IndexUnavailable
 from kvstore.index import redis_layout as layout
 from kvstore.index.base import IndexEntry, KeyInfo
 from kvstore.index.checks import check_entries, check_keys, check_node_id
+from kvstore.records import PrefixHit
 
 #: Entries per script call (tests shrink it to exercise several calls per batch).
 _CHUNK = layout.CHUNK

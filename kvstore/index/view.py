@@ -23,8 +23,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from kvstore.api import PrefixHit
 from kvstore.index.base import Index
+from kvstore.records import PrefixHit
 
 #: Keys remembered at most; past it the oldest half is dropped (they would expire anyway).
 MAX_KEYS = 1 << 20

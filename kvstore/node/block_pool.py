@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvstore.api import PoolStats
 from kvstore.constants import align_up
 from kvstore.errors import BlockNotFound, KVStoreError, PoolFull
 from kvstore.keys import Namespace
@@ -30,6 +29,7 @@ from kvstore.node.pool_contract import BlockLocation as BlockLocation
 from kvstore.node.pool_contract import Lease as Lease
 from kvstore.node.pool_contract import Reservation as Reservation
 from kvstore.node.pool_contract import ServedPool as ServedPool
+from kvstore.records import PoolStats
 
 
 @dataclass(slots=True, eq=False)

@@ -15,8 +15,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvstore.api import PoolStats
 from kvstore.keys import Namespace
+from kvstore.records import PoolStats
 
 
 @dataclass(slots=True)

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvstore import metrics
-from kvstore.api import PoolStats
 from kvstore.block import stated_nbytes, verify_block, verify_block_self
 from kvstore.errors import BlockCorrupted, BlockMismatch, BlockNotFound, PoolFull
 from kvstore.keys import Namespace
@@ -43,6 +42,7 @@ from kvstore.node.block_pool import BlockPool
 from kvstore.node.demotion import DemotionQueue, drop_reason
 from kvstore.node.disk_tier import DiskTier
 from kvstore.node.pool_contract import BlockLocation, Lease, Reservation
+from kvstore.records import PoolStats
 
 #: Disk blocks remembered as read from their files (``lease(files=True)``): one read again
 #: while remembered is hot and promoted into the arena. 64 Ki keys: ~6 MiB of bookkeeping.
