@@ -31,8 +31,9 @@ PACKAGES = ("kvstore",)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ground", ("kvstore.errors", "kvstore.constants", "kvstore.config", "kvstore.config_loader",
                 "kvstore.command_flags", "kvstore.keys", "kvstore.block", "kvstore.block_batch",
-                "kvstore.api", "kvstore.records", "kvstore.metrics", "kvstore.reader_metrics", "kvstore.gc_tuning",
-                "kvstore.security", "kvstore.ops", "kvstore.protos", "kvstore.command_output")),
+                "kvstore.api", "kvstore.records", "kvstore.metrics", "kvstore.reader_metrics",
+                "kvstore.gc_tuning", "kvstore.security", "kvstore.ops", "kvstore.protos",
+                "kvstore.command_output")),
     ("index", ("kvstore.index",)),
     ("node", ("kvstore.node",)),
     ("coordinator", ("kvstore.coordinator",)),

@@ -70,6 +70,8 @@ def _free_ports(n: int, exclude: Sequence[int] = ()) -> list[int]:
 
 #: Ray's bound on draining a node that got SIGTERM (``ray start --block`` handles it).
 DRAIN_TIMEOUT_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
+#: How long a private head's processes get to exit on SIGTERM before SIGKILL.
+HEAD_STOP_GRACE_S = 1.0
 
 
 def head_command(port: int, temp_dir: str) -> list[str]:
@@ -138,15 +140,21 @@ def start_head(extra_args: Sequence[str] = ()) -> RecordedCluster:
 
 
 def stop_head(head: RecordedCluster) -> None:
-    """Stop a head `start_head` started: its process group, then stragglers naming its dir."""
+    """Stop a head `start_head` started: its process group, then stragglers naming its dir.
+
+    Every process of the group gets SIGTERM at once, and SIGKILL after ``HEAD_STOP_GRACE_S``.
+    The grace is short: the cluster is private and thrown away whole (kvstore's own actors
+    have already shut down and unlinked their arenas), so Ray's graceful exit, one process
+    after another, would only delay the stop.
+    """
     if head.head_pid is None:
         return
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    for sig, wait_s in ((signal.SIGTERM, HEAD_STOP_GRACE_S), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(head.head_pid, sig)
         except (ProcessLookupError, PermissionError):
             break
-        if _wait_gone(head.head_pid, 10.0):
+        if _wait_gone(head.head_pid, wait_s):
             break
     if head.temp_dir:
         # Ray's workers may leave the process group; they all carry the temp dir in argv.
@@ -166,12 +174,24 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
             if done == pid:
                 return True
         except ChildProcessError:  # not our child (a later `kvstore stop`): probe it
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
+            if not _running(pid):
                 return True
         time.sleep(0.1)
     return False
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie: a dead head that another process must reap
+    (whoever inherited it, on its own schedule) has already let go of everything."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        try:
+            os.kill(pid, 0)  # no /proc: the signal probe
+        except ProcessLookupError:
+            return False
+        return True
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def pids_mentioning(text: str) -> list[int]:

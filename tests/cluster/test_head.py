@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -174,3 +175,24 @@ def test_every_port_of_the_head_is_distinct() -> None:
         argv = head.head_command(head._free_port(), "/tmp/x")
         ports = [int(a.rpartition("=")[2]) for a in argv if a.startswith("--") and "port=" in a]
         assert len(ports) == 8 and len(set(ports)) == 8, argv
+
+
+def test_a_zombie_head_counts_as_gone_and_a_live_one_does_not() -> None:
+    """`kvstore stop` runs in another process than the `kvstore start` that spawned the head,
+    so the head it kills stays a zombie until someone else reaps it: stop must not wait on
+    that, nor take a live process for gone."""
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        stat = Path(f"/proc/{dead.pid}/stat")
+        for _ in range(200):  # exited, not yet reaped (Popen reaps only when asked)
+            if stat.read_text().rpartition(")")[2].split()[0] == "Z":
+                break
+            time.sleep(0.05)
+        assert not head._running(dead.pid)
+        assert head._running(live.pid)
+    finally:
+        live.kill()
+        live.wait()
+        dead.wait()
+    assert not head._running(dead.pid)  # reaped: no such process at all
