@@ -113,12 +113,11 @@ def fresh(cluster, checkpoint, reference) -> tuple[list[dict], str]:
     auto: others are in flight). Then the other damaged prefix's second question alone (in
     its forward). Then, one by one, three prompts of another prefix, the module's cluster
     stopped after the first (``LATE_RESULTS``). Its results, and its log."""
-    for tokens, block in ((DAMAGED, 3), (SYNC_DAMAGED, 2)):
-        job = {"checkpoint": checkpoint, "block_size": BLOCK, "tokens": tokens, "block": block}
-        done = subprocess.run([sys.executable, "-m", "tests.support.vllm_blocks",
-                               json.dumps(job)], env=cluster, cwd=ROOT, capture_output=True,
-                              text=True, timeout=300)
-        assert done.returncode == 0 and "CORRUPTED" in done.stdout, done.stderr[-3000:]
+    jobs = [{"checkpoint": checkpoint, "block_size": BLOCK, "tokens": tokens, "block": block}
+            for tokens, block in ((DAMAGED, 3), (SYNC_DAMAGED, 2))]
+    done = subprocess.run([sys.executable, "-m", "tests.support.vllm_blocks", json.dumps(jobs)],
+                          env=cluster, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.count("CORRUPTED") == 2, done.stderr[-3000:]
     logs: list[str] = []
     results = run_engine(cluster, checkpoint, [], [], logs=logs, phases=[
         {"prompts": [PROMPTS[1], SALTED, SALTED, DAMAGED_PROMPTS[1]],

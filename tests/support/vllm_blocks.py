@@ -1,7 +1,9 @@
 """Damage one block a vLLM instance published, where it lives (the store node's arena file), as
 a faulty disk or a hostile process on the node would: ``python -m tests.support.vllm_blocks
-JOB`` with a JSON job ``{"checkpoint", "block_size", "tokens", "block", "salt"}`` (the instance
-ran with ``dtype="float32"``, as ``benchmarks.vllm_instance`` runs them).
+JOBS`` with a JSON list of jobs ``{"checkpoint", "block_size", "tokens", "block", "salt"}``
+(the instance ran with ``dtype="float32"``, as ``benchmarks.vllm_instance`` runs them), done in
+one process and one connection (a process start costs seconds); one ``CORRUPTED <key>`` line
+each.
 
 The block is found the way the connector finds it: the namespace kvstore makes for a vLLM CPU
 instance of that checkpoint, the prompt's chained key, its holder in the index; one byte of its
@@ -44,28 +46,33 @@ def cpu_namespace(checkpoint: str, block_size: int, salt: str | None,
     return namespace(geometry, checkpoint_fingerprint(checkpoint), tag, salt)
 
 
-def corrupt(job: dict[str, Any]) -> str:
-    """Flip the last payload byte of block ``job["block"]`` of ``job["tokens"]``; its key."""
+def corrupt(jobs: list[dict[str, Any]]) -> list[str]:
+    """Flip the last payload byte of block ``job["block"]`` of ``job["tokens"]``, for each job;
+    their keys."""
     from kvstore.cluster.lifecycle import cluster_config, connect
     from kvstore.config import KVStoreConfig
     from kvstore.keys import BlockHasher
 
-    ns = cpu_namespace(job["checkpoint"], job["block_size"], job.get("salt"))
-    key = bytes(BlockHasher(ns).block_keys(job["tokens"])[job["block"]])
     store = connect(cluster_config(KVStoreConfig()))
+    keys = []
     try:
-        [holders] = store.view.holders([key])
-        if not holders:
-            raise SystemExit(f"no node holds block {job['block']} ({key.hex()[:16]})")
-        client = store._client(holders[0])
-        lease = client.lease([key], 10.0)
-        [loc] = lease.locations
-        flip_last_byte(lease.shm_path, loc.offset, loc.nbytes)
-        client.release(lease.lease_id)
+        for job in jobs:
+            ns = cpu_namespace(job["checkpoint"], job["block_size"], job.get("salt"))
+            key = bytes(BlockHasher(ns).block_keys(job["tokens"])[job["block"]])
+            [holders] = store.view.holders([key])
+            if not holders:
+                raise SystemExit(f"no node holds block {job['block']} ({key.hex()[:16]})")
+            client = store._client(holders[0])
+            lease = client.lease([key], 10.0)
+            [loc] = lease.locations
+            flip_last_byte(lease.shm_path, loc.offset, loc.nbytes)
+            client.release(lease.lease_id)
+            keys.append(key.hex())
     finally:
         store.close()
-    return key.hex()
+    return keys
 
 
 if __name__ == "__main__":
-    print("CORRUPTED " + corrupt(json.loads(sys.argv[1])), flush=True)
+    for corrupted in corrupt(json.loads(sys.argv[1])):
+        print("CORRUPTED " + corrupted, flush=True)
