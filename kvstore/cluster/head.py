@@ -174,13 +174,13 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
             if done == pid:
                 return True
         except ChildProcessError:  # not our child (a later `kvstore stop`): probe it
-            if not _running(pid):
+            if not is_running(pid):
                 return True
         time.sleep(0.1)
     return False
 
 
-def _running(pid: int) -> bool:
+def is_running(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie: a dead head that another process must reap
     (whoever inherited it, on its own schedule) has already let go of everything."""
     try:

@@ -189,10 +189,10 @@ def test_a_zombie_head_counts_as_gone_and_a_live_one_does_not() -> None:
             if stat.read_text().rpartition(")")[2].split()[0] == "Z":
                 break
             time.sleep(0.05)
-        assert not head._running(dead.pid)
-        assert head._running(live.pid)
+        assert not head.is_running(dead.pid)
+        assert head.is_running(live.pid)
     finally:
         live.kill()
         live.wait()
         dead.wait()
-    assert not head._running(dead.pid)  # reaped: no such process at all
+    assert not head.is_running(dead.pid)  # reaped: no such process at all
