@@ -31,6 +31,7 @@ from pathlib import Path
 
 from kvstore.cluster.address import RecordedCluster, answers, auth_mode_for_private_ray, state_dir
 from kvstore.errors import ClusterUnavailable
+from kvstore.node.arena_files import EXITED_STATES, stat_fields
 
 #: How long the head has to accept connections before `kvstore start` gives up.
 HEAD_START_TIMEOUT_S = 90.0
@@ -181,17 +182,12 @@ def _wait_gone(pid: int, timeout_s: float) -> bool:
 
 
 def is_running(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie: a dead head that another process must reap
+    """Whether ``pid`` exists and has not exited: a dead head that another process must reap
     (whoever inherited it, on its own schedule) has already let go of everything."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat_fields(pid)[0] not in EXITED_STATES
     except OSError:
-        try:
-            os.kill(pid, 0)  # no /proc: the signal probe
-        except ProcessLookupError:
-            return False
-        return True
-    return stat.rpartition(")")[2].split()[0] != "Z"
+        return False
 
 
 def pids_mentioning(text: str) -> list[int]:

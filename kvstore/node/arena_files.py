@@ -66,7 +66,12 @@ class SweepResult:
     num_unjudged: int = 0
 
 
-def _stat_fields(pid: int) -> list[str]:
+#: Run states of a process that has exited: a zombie has already unmapped everything; only its
+#: exit status waits to be reaped.
+EXITED_STATES = ("Z", "X")
+
+
+def stat_fields(pid: int) -> list[str]:
     """``/proc/<pid>/stat`` from field 3 on (after the command name, which may hold spaces)."""
     stat = Path(f"/proc/{pid}/stat").read_text()
     return stat[stat.rindex(")") + 2:].split()
@@ -74,7 +79,7 @@ def _stat_fields(pid: int) -> list[str]:
 
 def start_ticks(pid: int) -> int:
     """Field 22 of ``/proc/<pid>/stat``: when the process started, in ticks since boot."""
-    return int(_stat_fields(pid)[19])
+    return int(stat_fields(pid)[19])
 
 
 def _pid_namespace(pid: int | str = "self") -> int:
@@ -123,7 +128,7 @@ def owner_state(owner: ProcessIdentity | None) -> OwnerState:
     except PermissionError:
         pass  # another user's process: it exists; its start time says whether it is the owner
     try:
-        fields = _stat_fields(owner.pid)
+        fields = stat_fields(owner.pid)
         started, run_state = int(fields[19]), fields[0]
     except FileNotFoundError:
         return "gone"  # exited between the two looks
@@ -131,8 +136,7 @@ def owner_state(owner: ProcessIdentity | None) -> OwnerState:
         return "unknown"  # e.g. /proc mounted with hidepid
     if started != owner.start_ticks:
         return "gone"  # the pid was reused
-    # A zombie has already unmapped everything; only its exit status waits to be reaped.
-    return "gone" if run_state in ("Z", "X") else "alive"
+    return "gone" if run_state in EXITED_STATES else "alive"
 
 
 def scan(shm_dir: str = "/dev/shm") -> list[ArenaFile]:
