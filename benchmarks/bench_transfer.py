@@ -43,7 +43,7 @@ from benchmarks.transfer_support import (
     start_node_process,
     store_fetch,
 )
-from kvstore.client.cluster_store import new_block_buffer
+from kvstore.client.block_buffers import new_block_buffer
 from kvstore.client.node_client import StoreNodeClient
 from kvstore.config import ClientConfig
 from kvstore.index.base import IndexEntry

@@ -46,7 +46,8 @@ from benchmarks.transfer_support import (
     store_fetch,
 )
 from kvstore.api import NodeAddress
-from kvstore.client.cluster_store import ClusterStore, new_block_buffer
+from kvstore.client.block_buffers import new_block_buffer
+from kvstore.client.cluster_store import ClusterStore
 from kvstore.client.node_client import StoreNodeClient
 from kvstore.config import ClientConfig
 from kvstore.keys import Namespace

@@ -42,6 +42,7 @@ from kvstore.block import block_nbytes, payload_offset
 from kvstore.block_batch import encode_blocks_into
 from kvstore.client.arena_blocks import ArenaBlocks, arena_blocks
 from kvstore.client.arena_populate import Populator
+from kvstore.client.block_buffers import check_block_buffer, new_block_buffer
 from kvstore.client.device_copy import DeviceRows, dma_path, target_device
 from kvstore.client.directory import Directory, lister, resolver
 from kvstore.client.early_fetch import EarlyFetch
@@ -260,7 +261,7 @@ class ClusterStore:
         """
         if len(keys) != len(token_ids):
             raise ValueError(f"{len(keys)} keys but {len(token_ids)} token lists")
-        _check_out(out, len(keys), block_nbytes(namespace))
+        check_block_buffer(out, len(keys), block_nbytes(namespace))
         return self._batch_get(namespace, [bytes(k) for k in keys], token_ids, out, held)
 
     def _batch_get(self, namespace: Namespace, keys: list[bytes],
@@ -469,24 +470,3 @@ class ClusterStore:
         path = "shm" if client.same_node else ("bulk" if client.has_bulk else "grpc")
         reader_metrics.record_fetch(path, num_ok, nbytes_ok, seconds)
 
-
-def new_block_buffer(namespace: Namespace, num_blocks: int) -> torch.Tensor:
-    """A ``[num_blocks, block_nbytes]`` uint8 CPU tensor to pass to ``batch_get_into``.
-
-    Allocated by numpy, which asks the kernel for transparent huge pages on large arrays:
-    first touch then faults 2 MiB at a time instead of 4 KiB, so the buffer fills faster than
-    a ``torch.empty`` one, fresh or reused (fewer page faults and TLB misses).
-    """
-    return torch.from_numpy(np.empty((num_blocks, block_nbytes(namespace)), dtype=np.uint8))
-
-
-def _check_out(out: torch.Tensor, num_blocks: int, nbytes: int) -> None:
-    """Reject an ``out`` buffer that cannot hold the batch, saying what shape it needs."""
-    if not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 2 \
-            or out.device.type != "cpu" or not out.is_contiguous():
-        raise ValueError("out must be a contiguous 2-D uint8 CPU tensor "
-                         f"[num_blocks, {nbytes}], e.g. torch.empty(({num_blocks}, {nbytes}), "
-                         "dtype=torch.uint8)")
-    if out.shape[0] < num_blocks or out.shape[1] < nbytes:
-        raise ValueError(f"out has shape {tuple(out.shape)}; this batch needs at least "
-                         f"[{num_blocks}, {nbytes}]")

@@ -106,7 +106,7 @@ PRELOAD_BYTES = 64 << 20
 def new_rows(rows: int, nbytes: int) -> torch.Tensor:
     """A ``[rows, nbytes]`` uint8 fetch buffer, allocated by numpy: it asks the kernel for
     transparent huge pages on large arrays, so a fresh buffer's first fill faults 2 MiB at a
-    time rather than 4 KiB (``cluster_store.new_block_buffer`` does the same for its callers)."""
+    time rather than 4 KiB (``block_buffers.new_block_buffer`` does the same for its callers)."""
     return torch.from_numpy(np.empty((rows, nbytes), dtype=np.uint8))
 
 
