@@ -8,6 +8,7 @@ namespace's blocks, and only to a credential granting its tenant.
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import ssl
@@ -169,7 +170,7 @@ class BulkClient:
                 head = recv_exact(sock, RESP_HEAD.size)
             except (OSError, NodeUnavailable) as exc:
                 sock.close()
-                if reused and attempt == 0:
+                if reused and attempt == 0 and not timed_out(exc):
                     continue  # the server closed an idle connection: one fresh try
                 raise NodeUnavailable(f"bulk request to {self.address} failed: {exc}") from exc
             break
@@ -230,9 +231,9 @@ class BulkClient:
             try:
                 sock.sendall(frame)
                 magic, status, msg_len = RESP_HEAD.unpack(recv_exact(sock, RESP_HEAD.size))
-            except (OSError, NodeUnavailable):
+            except (OSError, NodeUnavailable) as exc:
                 sock.close()
-                if reused:  # the node closed it while idle: once more on a fresh one
+                if reused and not timed_out(exc):  # closed while idle: once more on another
                     continue
                 raise
             except BaseException:
@@ -283,3 +284,12 @@ class BulkClient:
         for sock in idle:
             sock.close()
 
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` (or the socket error it wraps) is a send or receive that ran out of
+    time. A node that closed an idle connection fails the next request at once, and a fresh
+    connection fixes that; a silent one (a host cut off) would only make the fresh
+    connection wait out the same timeout again."""
+    cause = exc.__cause__ if isinstance(exc, NodeUnavailable) and exc.__cause__ else exc
+    return isinstance(cause, TimeoutError) or (
+        isinstance(cause, OSError) and cause.errno in (errno.EAGAIN, errno.EWOULDBLOCK))
