@@ -189,6 +189,10 @@ class ClientConfig:
     # How long a reader trusts a holder the index told it (or its own Put), without asking
     # again; 0 asks the index every time. Staleness costs misses, never wrong KV (design.md §4).
     index_view_ttl_s: float = 1.0
+    # A node that did not answer is skipped (its blocks recomputed) this long, then probed by
+    # one read; each failure in a row doubles it up to the max (kvstore.client.unreachable).
+    unreachable_cooldown_s: float = 5.0
+    unreachable_max_cooldown_s: float = 30.0
 
     def __post_init__(self) -> None:
         self.max_message_bytes = parse_size(self.max_message_bytes)
@@ -199,6 +203,9 @@ class ClientConfig:
                "client.bulk_request_blocks must be between 1 and 4096")
         _check(self.bulk_pipeline_depth >= 1, "client.bulk_pipeline_depth must be >= 1")
         _check(1 <= self.bulk_streams <= 16, "client.bulk_streams must be between 1 and 16")
+        _check(0 <= self.unreachable_cooldown_s <= self.unreachable_max_cooldown_s <= 3600,
+               "client.unreachable_cooldown_s must be >= 0 (0: never skip a node) and at most "
+               "client.unreachable_max_cooldown_s, which must be <= 3600")
 
 
 #: The index backends ``kvstore.index.factory`` can build.

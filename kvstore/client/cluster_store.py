@@ -8,8 +8,9 @@ returns a view into that buffer: one ``[n, block_nbytes]`` tensor per batch, or 
 own (``batch_get_into``). With a ``device``, the payloads are views into one
 ``[n, *payload_shape]`` tensor on it instead (``kvstore.client.device_reads``).
 Whatever goes wrong with a block or a node becomes a ``Miss`` with a reason: a worker
-recomputes, it never fails or uses wrong KV. Same node is decided by node id (the Ray node),
-not by whether ``/dev/shm`` happens to be shared.
+recomputes, it never fails or uses wrong KV; a node that did not answer is skipped for a
+while (``kvstore.client.unreachable``) rather than waited for again by every request. Same
+node is decided by node id (the Ray node), not by whether ``/dev/shm`` happens to be shared.
 
 Hits, misses, fetched blocks per path and fetch latency are tallied here, in the reader's
 process, and pushed to the reader's own store node every ``FLUSH_INTERVAL_S`` and on ``close``
@@ -49,6 +50,7 @@ from kvstore.client.early_fetch import EarlyFetch
 from kvstore.client.leased_reads import HeldLease
 from kvstore.client.node_client import StoreNodeClient
 from kvstore.client.sole_node import SoleNode
+from kvstore.client.unreachable import UnreachableNodes
 from kvstore.config import ClientConfig
 from kvstore.errors import (
     BlockCorrupted,
@@ -68,10 +70,12 @@ class ClusterStore:
 
     def __init__(self, node_id: str, index: Index, directory: Directory,
                  config: ClientConfig | None = None, *, local_node_id: str | None = None,
-                 lease_ttl_s: float = 30.0, owns_index: bool = False) -> None:
+                 lease_ttl_s: float = 30.0, owns_index: bool = False,
+                 unreachable: UnreachableNodes | None = None) -> None:
         """``node_id``: the store node this worker writes to; ``local_node_id``: the Ray
         node the worker runs on (defaults to ``node_id``), whose arena it may map;
-        ``owns_index``: ``close`` closes the index too (it was made for this store)."""
+        ``owns_index``: ``close`` closes the index too (it was made for this store);
+        ``unreachable``: breakers shared with other clients (else this store's own)."""
         self.node_id = node_id
         self._owns_index = owns_index
         self.local_node_id = local_node_id or node_id
@@ -83,6 +87,9 @@ class ClusterStore:
         self.lease_ttl_s = lease_ttl_s
         self._resolve = resolver(directory)
         self.sole = SoleNode(self.local_node_id, lister(directory))
+        # Nodes that just failed to answer, skipped for a while (kvstore.client.unreachable).
+        self.unreachable = unreachable or UnreachableNodes(
+            self.config.unreachable_cooldown_s, self.config.unreachable_max_cooldown_s)
         self._clients: dict[str, StoreNodeClient] = {}
         self._no_local_calls = False  # set once this host's node cannot answer lookups
         self._lock = threading.Lock()
@@ -105,12 +112,13 @@ class ClusterStore:
             self.view.remember(keys[known:known + here], [[self.local_node_id]] * here)
         if answered is not None and self.sole.alone_now():  # no other node the index could name
             if self.view.ttl_s > 0:
-                return self.view.lookup_prefix(keys[:known + here])  # from memory
+                return self.unreachable.reachable(self.view.lookup_prefix(keys[:known + here]))
             return PrefixHit(here, [[self.local_node_id]] * here)
-        if self.view.ttl_s > 0:
-            return self.view.lookup_prefix(keys)  # it knows this node's run now
+        if self.view.ttl_s > 0:  # the view knows this node's run now
+            return self.unreachable.reachable(self.view.lookup_prefix(keys))
         # a view that remembers nothing: this node's run, then the index's for the rest
         rest = self.view.lookup_prefix(keys[here:]) if here < len(keys) else PrefixHit(0, [])
+        rest = self.unreachable.reachable(rest)
         return PrefixHit(here + rest.num_blocks, [[self.local_node_id]] * here + rest.holders)
 
     def _held_here(self, namespace: Namespace, keys: list[bytes]) -> int | None:
@@ -153,7 +161,7 @@ class ClusterStore:
         rest = PrefixHit(0, [])
         if here < len(keys) and not self.sole.alone_now():
             with contextlib.suppress(Exception):  # the index down: this node's run only
-                rest = self.view.lookup_prefix(keys[here:])
+                rest = self.unreachable.reachable(self.view.lookup_prefix(keys[here:]))
         return PrefixHit(here + rest.num_blocks,
                          [[self.local_node_id]] * here + rest.holders), lease
 
@@ -383,11 +391,19 @@ class ClusterStore:
         is served or out of candidates (``lease``: a held lease, for its node's first read)."""
         while True:
             groups: dict[str, list[int]] = {}
+            skipping: dict[str, bool] = {}  # asked once a round: a node's probe is one read
             for i, cands in enumerate(candidates):
-                if results[i] is None and cands:
+                while results[i] is None and cands:
                     node = cands.pop(0)
                     tried[i].add(node)
-                    groups.setdefault(node, []).append(i)
+                    if node not in skipping:
+                        skipping[node] = self.unreachable.skip(node)
+                    if not skipping[node]:
+                        groups.setdefault(node, []).append(i)
+                        break
+                    last_miss[i] = Miss(keys[i], MISS_NODE_UNAVAILABLE,
+                                        f"{node[:12]} did not answer lately; skipped for "
+                                        f"{self.unreachable.retry_in(node):.1f} s more")
             if not groups:
                 return
             for node, idxs in groups.items():
@@ -444,17 +460,20 @@ class ClusterStore:
                 got = client.get_verified_into(namespace, group_keys, group_tokens,
                                                [rows[i, :nbytes] for i in idxs], held=held)
         except LeaseExpired as exc:
+            self.unreachable.answered(node)
             for i in idxs:
                 last_miss[i] = Miss(keys[i], MISS_LEASE_EXPIRED, str(exc))
             return
         except (KVStoreError, OSError, ValueError) as exc:
             if isinstance(exc, NodeUnavailable):
                 self._drop_client(node)  # reconnect (or re-resolve) next time
+                self.unreachable.failed(node, exc)
             self.view.forget([keys[i] for i in idxs])
             for i in idxs:
                 last_miss[i] = Miss(keys[i], MISS_NODE_UNAVAILABLE, f"{node[:12]}: {exc}")
             return
         seconds = time.perf_counter() - t0
+        self.unreachable.answered(node)
         num_ok = nbytes_ok = 0
         for i, outcome in zip(idxs, got, strict=True):
             if outcome is None:
@@ -469,4 +488,3 @@ class ClusterStore:
                 nbytes_ok += outcome if isinstance(outcome, int) else 0
         path = "shm" if client.same_node else ("bulk" if client.has_bulk else "grpc")
         reader_metrics.record_fetch(path, num_ok, nbytes_ok, seconds)
-

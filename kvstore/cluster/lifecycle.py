@@ -407,6 +407,7 @@ def cluster_config(config: KVStoreConfig | None = None, *, address: str | None =
 def connect(config: KVStoreConfig | None = None, *, address: str | None = None) -> Any:
     """A ClusterStore for this process, discovered through the coordinator."""
     from kvstore.client.cluster_store import ClusterStore
+    from kvstore.client.unreachable import process_wide
     from kvstore.coordinator.index_proxy import CoordinatorIndex
     from kvstore.index.factory import make_index
 
@@ -420,6 +421,8 @@ def connect(config: KVStoreConfig | None = None, *, address: str | None = None) 
     return ClusterStore(
         node_id, index, lambda: ray.get(coordinator.directory.remote()), config.client,
         local_node_id=node_id, lease_ttl_s=config.coordinator.lease_ttl_s, owns_index=True,
+        unreachable=process_wide(config.client.unreachable_cooldown_s,
+                                 config.client.unreachable_max_cooldown_s),
     )
 
 

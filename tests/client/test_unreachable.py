@@ -1,0 +1,141 @@
+"""UnreachableNodes: a node that did not answer is skipped for a cooldown, then probed by one
+read; and ClusterStore over a real node whose address stops answering (a listener that
+accepts and stays silent, as a host behind a cut link does until the timeout)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.api import MISS_NODE_UNAVAILABLE, FetchedBlock, Miss, NodeAddress, PrefixHit
+from kvstore.client.cluster_store import ClusterStore
+from kvstore.client.unreachable import UnreachableNodes, process_wide
+from kvstore.config import ClientConfig
+from kvstore.errors import ConfigError
+from tests.client.test_cluster_store import cluster, make_puts  # noqa: F401 (fixture)
+from tests.node.test_store_server import make_namespace
+from tests.support.silent_listener import SilentListener
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_node_that_answers_is_never_skipped() -> None:
+    nodes = UnreachableNodes(5.0, 30.0, clock=Clock())
+    hit = PrefixHit(2, [["a"], ["a", "b"]])
+    assert not nodes.skip("a") and not nodes.cooling("a")
+    assert nodes.reachable(hit) is hit and nodes.retry_in("a") == 0.0
+
+
+def test_a_failed_node_is_skipped_then_probed_by_one_read() -> None:
+    clock = Clock()
+    nodes = UnreachableNodes(5.0, 30.0, clock=clock)
+    nodes.failed("a", "timed out")
+    assert nodes.cooling("a") and nodes.skip("a") and nodes.retry_in("a") == 5.0
+    assert not nodes.cooling("b") and not nodes.skip("b")
+    # Lookups stop at the first block no answering node holds; other holders stay.
+    hit = nodes.reachable(PrefixHit(3, [["b", "a"], ["a"], ["b"]]))
+    assert hit == PrefixHit(1, [["b"]])
+    clock.now += 4.9
+    assert nodes.skip("a")
+    clock.now += 0.2
+    assert not nodes.cooling("a")  # a lookup counts its blocks again ...
+    assert not nodes.skip("a")  # ... the first read probes it ...
+    assert nodes.skip("a") and nodes.cooling("a")  # ... and the others wait for that probe
+    nodes.answered("a")
+    assert not nodes.skip("a") and not nodes.cooling("a") and nodes.retry_in("a") == 0.0
+
+
+def test_each_failed_probe_doubles_the_cooldown_up_to_the_max() -> None:
+    clock = Clock()
+    nodes = UnreachableNodes(5.0, 12.0, clock=clock)
+    nodes.failed("a")
+    for expected in (10.0, 12.0, 12.0):
+        clock.now += nodes.retry_in("a")
+        assert not nodes.skip("a")  # the probe
+        nodes.failed("a")
+        assert nodes.retry_in("a") == expected
+
+
+def test_a_failure_inside_the_cooldown_does_not_extend_it() -> None:
+    """Reads that started before the first failure time out a little later: the same fault."""
+    clock = Clock()
+    nodes = UnreachableNodes(5.0, 30.0, clock=clock)
+    nodes.failed("a")
+    clock.now += 1.0
+    nodes.failed("a")
+    assert nodes.retry_in("a") == 4.0
+
+
+def test_a_probe_that_never_reports_lets_another_read_probe_later() -> None:
+    clock = Clock()
+    nodes = UnreachableNodes(5.0, 30.0, clock=clock)
+    nodes.failed("a")
+    clock.now += 5.0
+    assert not nodes.skip("a") and nodes.skip("a")
+    clock.now += 5.0
+    assert not nodes.skip("a")
+
+
+def test_a_zero_cooldown_never_skips() -> None:
+    nodes = UnreachableNodes(0.0, 0.0, clock=Clock())
+    nodes.failed("a")
+    assert not nodes.skip("a") and not nodes.cooling("a")
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="cooldown_s"):
+        UnreachableNodes(5.0, 1.0)
+    with pytest.raises(ConfigError, match="unreachable_cooldown_s"):
+        ClientConfig(unreachable_cooldown_s=-1)
+    with pytest.raises(ConfigError, match="unreachable_max_cooldown_s"):
+        ClientConfig(unreachable_cooldown_s=10, unreachable_max_cooldown_s=5)
+
+
+def test_clients_of_one_process_share_their_breakers() -> None:
+    """vLLM's scheduler-side and worker-side connectors are two clients in one process."""
+    assert process_wide(5.0, 30.0) is process_wide(5.0, 30.0)
+    assert process_wide(5.0, 30.0) is not process_wide(1.0, 30.0)
+
+
+def test_a_silent_node_costs_one_timeout_then_is_skipped_until_it_answers(cluster) -> None:  # noqa: F811
+    index, _, directory = cluster
+    ns = make_namespace()
+    writer = ClusterStore("node-a", index, directory.__getitem__)
+    puts, tokens = make_puts(ns, 3)
+    writer.batch_put(ns, puts)
+    keys = [p.key for p in puts]
+    silent = SilentListener()
+    live = directory["node-a"]
+    directory["node-a"] = NodeAddress("node-a", silent.address, silent.address)
+    clock = Clock()
+    breakers = UnreachableNodes(60.0, 60.0, clock=clock)
+    config = ClientConfig(timeout_s=0.5, retries=0, index_view_ttl_s=0)
+    reader = ClusterStore("node-b", index, directory.__getitem__, config, unreachable=breakers)
+    try:
+        assert reader.lookup_prefix(ns, keys).num_blocks == 3  # nothing known against it yet
+        got = reader.batch_get(ns, keys, tokens)  # times out once
+        assert all(isinstance(g, Miss) and g.reason == MISS_NODE_UNAVAILABLE for g in got)
+        offered = len(silent.accepted)
+        assert offered >= 1 and breakers.cooling("node-a")
+        # Within the cooldown: lookups do not count node-a's blocks, reads do not wait on it.
+        assert reader.lookup_prefix(ns, keys) == PrefixHit(0, [])
+        got = reader.batch_get(ns, keys, tokens)
+        assert all(isinstance(g, Miss) and g.reason == MISS_NODE_UNAVAILABLE
+                   and "skipped" in g.detail for g in got), got
+        assert len(silent.accepted) == offered  # not one more connection
+        # The node answers again: after the cooldown one read probes it, and it is back.
+        directory["node-a"] = live
+        clock.now += 60.0
+        assert reader.lookup_prefix(ns, keys).num_blocks == 3
+        got = reader.batch_get(ns, keys, tokens)
+        assert all(isinstance(g, FetchedBlock) and g.node_id == "node-a" for g in got)
+        assert not breakers.cooling("node-a")
+    finally:
+        reader.close()
+        writer.close()
+        silent.close()
