@@ -260,9 +260,11 @@ def test_public_api_at_the_package_top_loads_lazily():
 
 
 #: What an operator command without a model loads, and what it unpickles to reach the cluster's
-#: actors (``ray.get_actor`` imports the actor's module): the coordinator, never a store node.
+#: actors (``ray.get_actor`` imports the actor's module): the coordinator, and the store node's
+#: thin actor class (the node itself is built inside the actor process).
 CONTROL_PLANE = ("kvstore.cli.main", "kvstore.cli.status", "kvstore.cluster.lifecycle",
-                 "kvstore.cluster.operations", "kvstore.coordinator.actor", "kvstore.metrics")
+                 "kvstore.cluster.operations", "kvstore.coordinator.actor", "kvstore.metrics",
+                 "kvstore.cluster.store_node_actor")
 
 
 @pytest.mark.parametrize("module", CONTROL_PLANE)

@@ -153,7 +153,7 @@ def start_coordinator(config: KVStoreConfig, head_node_id: str | None = None) ->
 
 def start_store_node(config: KVStoreConfig, node_id: str) -> Any:
     """Start (or find) the store-node actor on Ray node ``node_id``."""
-    from kvstore.cluster.store_node import StoreNodeActor
+    from kvstore.cluster.store_node_actor import StoreNodeActor
 
     return StoreNodeActor.options(
         name=store_actor_name(node_id),

@@ -478,6 +478,3 @@ def start_node_metrics(config: ServerConfig, ip: str, node_id: str,
     return metrics.serve_metrics(config.metrics_port, config.metrics_host, ip,
                                  f"store node {node_id[:12]}")
 
-
-#: The actor class ``kvstore.cluster.lifecycle`` starts (placement and names are set there).
-StoreNodeActor = ray.remote(num_cpus=0)(StoreNode)
