@@ -134,7 +134,7 @@ class SpareCoreLoader:
               layers: Sequence[LayerCache], transfers: list[BlockTransfer],
               fetch: Callable[[list[BlockTransfer]], list[Any]]) -> SpareCoreStep:
         """Begin a step's loads; ``fetch(transfers)``: the worker's fetch of those it cannot
-        write from the arena (its ``_Fetched`` results, errors already reported)."""
+        write from the arena (its ``Fetched`` results, errors already reported)."""
         step = SpareCoreStep(len(layers), transfers)
         # The headers are checked here, before the forward starts: a fraction of a
         # millisecond, which on the loader thread took several times as long (sharing

@@ -34,22 +34,25 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvstore.api import BlockPut, FetchedBlock
 from kvstore.block import block_nbytes, payload_offset
 from kvstore.client.verify_pool import cap_threads
+from kvstore.integrations.vllm.layer_loads import (
+    Fetched,
+    LayerLoads,
+    new_rows,
+    on_cuda,
+    touched_rows,
+)
 from kvstore.integrations.vllm.paged_layout import (
     LayerCache,
     gather_blocks,
     layer_cache,
-    plan_scatter,
     scatter_blocks,
-    scatter_layer,
 )
 from kvstore.integrations.vllm.plans import BlockTransfer, StepPlan
 from kvstore.integrations.vllm.spare_core import SpareCoreLoader, SpareCoreStep, spare_cores
@@ -63,19 +66,6 @@ def layer_order(name: str) -> tuple[int, str]:
     """Sort key of a vLLM attention layer name (``model.layers.12.self_attn.attn``)."""
     match = _LAYER_INDEX.search(name)
     return (int(match.group(1)) if match else -1, name)
-
-
-@dataclass
-class _Fetched:
-    """A transfer's verified leading blocks: ``payloads`` ``[good, L, 2, block_size, H, D]``."""
-
-    transfer: BlockTransfer
-    payloads: torch.Tensor | None
-
-    @property
-    def block_ids(self) -> list[int]:
-        n = 0 if self.payloads is None else self.payloads.shape[0]
-        return self.transfer.block_ids[:n]
 
 
 class _PendingSave:
@@ -103,73 +93,9 @@ PRELOAD_ROWS = 64
 PRELOAD_BYTES = 64 << 20
 
 
-def new_rows(rows: int, nbytes: int) -> torch.Tensor:
-    """A ``[rows, nbytes]`` uint8 fetch buffer, allocated by numpy: it asks the kernel for
-    transparent huge pages on large arrays, so a fresh buffer's first fill faults 2 MiB at a
-    time rather than 4 KiB (``block_buffers.new_block_buffer`` does the same for its callers)."""
-    return torch.from_numpy(np.empty((rows, nbytes), dtype=np.uint8))
-
-
-def touched_rows(rows: int, nbytes: int) -> torch.Tensor:
-    """``new_rows`` with every page faulted in now, so no load pays for faulting its buffer's
-    pages in inside the copy (several times the copy's own cost); synchronous loads reuse one
-    such buffer, made before the first request and grown twice over when a load outgrows it."""
-    buffer = new_rows(rows, nbytes)
-    buffer.fill_(0)
-    return buffer
-
-
-def _on_cuda(device: torch.device) -> bool:
-    return device.type == "cuda"
-
-
 #: The longest a put waits for the step that completed its blocks to hand its output back
 #: (it waits for the next step's start; this is for an engine left idle).
 SAVE_DEFER_S = 0.005
-
-
-class _LayerLoads:
-    """One step's synchronous loads, written layer by layer on the loader thread.
-
-    On a GPU the writes are kernels on the loader thread's stream: each layer records a CUDA
-    event that the forward's stream waits for (``wait``), so the attention of layer ``i`` reads
-    it only once it is written, whichever stream vLLM computes on."""
-
-    def __init__(self, layers: Sequence[LayerCache], fetched: list[_Fetched]) -> None:
-        self.device = layers[0].key.device
-        self.written: list[Any] = [None] * len(layers)  # CUDA events, on a GPU
-        self.done = [threading.Event() for _ in layers]
-        self.waited: set[int] = set()
-        self.block_ids = [b for f in fetched for b in f.transfer.block_ids]
-        self.error: BaseException | None = None
-        self._work = [(f, plan_scatter(layers[0], f.block_ids)) for f in fetched
-                      if f.payloads is not None]
-        self._layers = layers
-
-    def wait(self, index: int) -> None:
-        """Until layer ``index`` is written (on a GPU: the current stream waits for it)."""
-        self.done[index].wait()
-        event = self.written[index]
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-
-    def run(self) -> None:
-        try:
-            if _on_cuda(self.device):
-                torch.cuda.set_device(self.device)  # this thread's kernels on the caches' GPU
-            for i, layer in enumerate(self._layers):
-                for fetched, plan in self._work:
-                    assert fetched.payloads is not None
-                    scatter_layer(layer, i, plan, fetched.payloads)
-                if _on_cuda(self.device):
-                    self.written[i] = torch.cuda.Event()
-                    self.written[i].record()
-                self.done[i].set()
-        except Exception as exc:  # every block of the step becomes a load error (finish_loads)
-            log.exception("kvstore: writing loaded blocks failed; vLLM recomputes them")
-            self.error = exc
-            for event in self.done:
-                event.set()
 
 
 class WorkerSide:
@@ -191,7 +117,7 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         self._load_errors: set[int] = set()
         self._errors_lock = threading.Lock()
-        self._step: _LayerLoads | SpareCoreStep | None = None
+        self._step: LayerLoads | SpareCoreStep | None = None
         self._spare: SpareCoreLoader | None = None
         self._scatters = ThreadPoolExecutor(max_workers=1,
                                             thread_name_prefix="kvstore-vllm-scatter")
@@ -217,7 +143,7 @@ class WorkerSide:
         self.layers = [layer_cache(kv_caches[name], self.num_kv_heads, self.head_dim)
                        for name in names]
         self._layer_index = {name: i for i, name in enumerate(names)}
-        on_cpu = bool(self.layers) and not _on_cuda(self.layers[0].key.device)
+        on_cpu = bool(self.layers) and not on_cuda(self.layers[0].key.device)
         if on_cpu and self.layerwise is not False and self._spare is None:
             cores = spare_cores()  # vLLM pinned this thread, its forward's, by now
             spare = SpareCoreLoader(cores) if cores else None
@@ -272,7 +198,7 @@ class WorkerSide:
                 if f.payloads is not None:
                     scatter_blocks(self.layers, f.block_ids, f.payloads)
             return
-        self._step = _LayerLoads(self.layers, fetched)
+        self._step = LayerLoads(self.layers, fetched)
         self._scatters.submit(self._step.run)
 
     def wait_for_layer(self, layer_name: str) -> None:
@@ -315,12 +241,12 @@ class WorkerSide:
     def _load_whole(self, t: BlockTransfer, out: torch.Tensor | None) -> None:
         try:
             device = self.layers[0].key.device
-            if _on_cuda(device):
+            if on_cuda(device):
                 torch.cuda.set_device(device)
             [fetched] = self._fetch_step([t], out)
             if fetched.payloads is not None:
                 scatter_blocks(self.layers, fetched.block_ids, fetched.payloads)
-            if _on_cuda(device):  # written before vLLM is told, and schedules the request
+            if on_cuda(device):  # written before vLLM is told, and schedules the request
                 torch.cuda.current_stream(device).synchronize()
             self.loaded_blocks += len(fetched.block_ids)
         except Exception:  # never a failed request: vLLM recomputes the whole transfer
@@ -328,7 +254,7 @@ class WorkerSide:
             self._add_errors(t.block_ids)
 
     def _fetch_step(self, transfers: list[BlockTransfer],
-                    out: torch.Tensor | None = None) -> list[_Fetched]:
+                    out: torch.Tensor | None = None) -> list[Fetched]:
         """Fetch and verify each transfer; the blocks after its first miss are load errors."""
         on_device = bool(self.layers) and self.layers[0].key.device.type != "cpu"
         if out is None and transfers and not on_device and hasattr(self.store, "batch_get_into"):
@@ -353,7 +279,7 @@ class WorkerSide:
             buffer = self._buffer = touched_rows(max(rows, grown), nbytes)
         return buffer
 
-    def _fetch(self, t: BlockTransfer, out: torch.Tensor | None) -> _Fetched:
+    def _fetch(self, t: BlockTransfer, out: torch.Tensor | None) -> Fetched:
         namespace = self.namespace_of(t.cache_salt)
         view = getattr(self.store, "view", None)  # ClusterStore's IndexView
         if t.holders is not None and view is not None:
@@ -379,13 +305,13 @@ class WorkerSide:
                         len(t.block_ids) - good, len(t.block_ids), t.request_id)
             self._add_errors(t.block_ids[good:])
         if not good:
-            return _Fetched(t, None)
+            return Fetched(t, None)
         if out is None:
-            return _Fetched(t, torch.stack([r.payload for r in results[:good]]))
+            return Fetched(t, torch.stack([r.payload for r in results[:good]]))
         start = payload_offset(namespace)  # the rows' payloads, viewed, never copied
         payloads = out[:good, start:start + namespace.payload_nbytes] \
             .view(namespace.torch_dtype).unflatten(1, namespace.payload_shape)
-        return _Fetched(t, payloads)
+        return Fetched(t, payloads)
 
     def _add_errors(self, block_ids: Sequence[int]) -> None:
         with self._errors_lock:
@@ -406,7 +332,7 @@ class WorkerSide:
         step that completed the request."""
         if plan.saves:
             self._step_began.clear()
-        on_gpu = bool(self.layers) and _on_cuda(self.layers[0].key.device)
+        on_gpu = bool(self.layers) and on_cuda(self.layers[0].key.device)
         for t in plan.saves:
             pending = _PendingSave(t)
             if on_gpu or not self.defer_gathers:
