@@ -12,15 +12,16 @@ tokens, each token's logprob, and the prompt tokens vLLM did not compute (``cach
 no TTFT). ``warmup`` runs one unrelated request first, untimed (a served instance is warm: its
 first request's one-time costs are not a cache's; ``WARMUP_PROMPT``). ``stop_cluster_after`` (a
 prompt index) stops the kvstore cluster (``kvstore stop``) once that prompt is done: the fault
-tests' cluster that goes away while an instance runs. ``bypass``: the connector neither loads
-nor saves (``kvstore_bypass``): the same engine without the cache, the reference a cached run
-is compared with. ``floor_prompts`` (one per prompt, or None): after each prompt's generation,
-the first token of its floor prompt (another question on the same system prompt) is timed too
-(``ttft_floor_s``, ``cached_floor``), kvstore bypassed: a hit in vLLM's own prefix cache in the
-same process a moment after the timed request, the floor paired with it, free of the spread
-from one instance to the next. (Not the same prompt again: a repeat measured faster than
-another question on the same system.) ``floors_after``: the floors are timed after all the
-prompts instead, each then as cold in the CPU's caches as a load.
+tests' cluster that goes away while an instance runs. ``metrics``: vLLM's statistics on, and
+``METRICS <json>`` before the results: kvstore's counters on vLLM's own metrics. ``bypass``: the
+connector neither loads nor saves (``kvstore_bypass``): the same engine without the cache, the
+reference a cached run is compared with. ``floor_prompts`` (one per prompt, or None): after
+each prompt's generation, the first token of its floor prompt (another question on the same
+system prompt) is timed too (``ttft_floor_s``, ``cached_floor``), kvstore bypassed: a hit in
+vLLM's own prefix cache in the same process a moment after the timed request, the floor paired
+with it, free of the spread from one instance to the next. (Not the same prompt again: a repeat
+measured faster than another question on the same system.) ``floors_after``: the floors are
+timed after all the prompts instead, each then as cold in the CPU's caches as a load.
 
 ``phases`` (a list of such jobs' prompt settings: ``prompts``, ``salts``, ``together``,
 ``bypass``, ``stop_cluster_after``) runs one after another on the same engine, vLLM's own
@@ -59,6 +60,8 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
         model=job["model"], dtype="float32", max_model_len=job.get("max_model_len", 4096),
         gpu_memory_utilization=0.15, enforce_eager=True, block_size=job["block_size"],
         enable_prefix_caching=True)
+    if job.get("metrics"):  # vLLM's statistics on: its Prometheus metrics are read at the end
+        kwargs["disable_log_stats"] = False
     if job.get("kv_transfer_config"):  # another connector (benchmarks/baselines/)
         kwargs["kv_transfer_config"] = job["kv_transfer_config"]
     elif job.get("role"):
@@ -77,7 +80,18 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
         if n:
             llm.reset_prefix_cache()  # each phase meets only what the connector holds
         results += _phase(llm, job, phase)
+    if job.get("metrics"):
+        print("METRICS " + json.dumps(connector_metrics(llm)), flush=True)
     return results
+
+
+def connector_metrics(llm: Any) -> dict[str, float]:
+    """kvstore's counters on vLLM's own metrics (``vllm:kvstore_*``, summed over engines)."""
+    totals: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:kvstore_"):
+            totals[metric.name] = totals.get(metric.name, 0) + metric.value
+    return totals
 
 
 def _phase(llm: Any, job: dict[str, Any], phase: dict[str, Any]) -> list[dict[str, Any]]:

@@ -73,16 +73,21 @@ def checkpoint(tmp_path_factory) -> str:
 
 def run_engine(env: dict[str, str], checkpoint: str, prompts: list[list[int]],
                salts: list[str | None], role: str | None = "kv_both",
-               logs: list[str] | None = None, **extra: object) -> list[dict]:
-    """One fresh instance's results per prompt; its stderr is appended to ``logs``."""
+               logs: list[str] | None = None, metrics: dict[str, float] | None = None,
+               **extra: object) -> list[dict]:
+    """One fresh instance's results per prompt; its stderr is appended to ``logs``; with
+    ``metrics``, vLLM's statistics are on and kvstore's counters on them land there."""
     job = {"model": checkpoint, "block_size": BLOCK, "max_tokens": 8, "prompts": prompts,
-           "salts": salts, "role": role, **extra}
+           "salts": salts, "role": role, "metrics": metrics is not None, **extra}
     done = subprocess.run([sys.executable, "-m", "benchmarks.vllm_instance", json.dumps(job)],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     if logs is not None:
         logs.append(done.stderr)
+    if metrics is not None:
+        [line] = [line for line in done.stdout.splitlines() if line.startswith("METRICS ")]
+        metrics.update(json.loads(line.removeprefix("METRICS ")))
     return json.loads(lines[-1].removeprefix("RESULTS "))
 
 
@@ -105,26 +110,28 @@ def assert_same(got: dict, want: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def fresh(cluster, checkpoint, reference) -> tuple[list[dict], str]:
+def fresh(cluster, checkpoint, reference) -> tuple[list[dict], str, dict[str, float]]:
     """A fresh instance B, after block 3 of the damaged prefix and block 2 of the other one
     were corrupted in the store node's arena: one batch of the second question, the salted
     prompt as two tenants and the damaged prompt's second question. vLLM admits them
     together, so the first loads in its forward and the others asynchronously (``load_mode``
     auto: others are in flight). Then the other damaged prefix's second question alone (in
     its forward). Then, one by one, three prompts of another prefix, the module's cluster
-    stopped after the first (``LATE_RESULTS``). Its results, and its log."""
+    stopped after the first (``LATE_RESULTS``). Its results, its log, and kvstore's counters on
+    its vLLM metrics."""
     jobs = [{"checkpoint": checkpoint, "block_size": BLOCK, "tokens": tokens, "block": block}
             for tokens, block in ((DAMAGED, 3), (SYNC_DAMAGED, 2))]
     done = subprocess.run([sys.executable, "-m", "tests.support.vllm_blocks", json.dumps(jobs)],
                           env=cluster, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.count("CORRUPTED") == 2, done.stderr[-3000:]
     logs: list[str] = []
-    results = run_engine(cluster, checkpoint, [], [], logs=logs, phases=[
+    metrics: dict[str, float] = {}
+    results = run_engine(cluster, checkpoint, [], [], logs=logs, metrics=metrics, phases=[
         {"prompts": [PROMPTS[1], SALTED, SALTED, DAMAGED_PROMPTS[1]],
          "salts": [None, "tenant-b", "tenant-a", None], "together": True},
         {"prompts": [SYNC_DAMAGED_PROMPTS[1]]},
         {"prompts": LATE_PROMPTS, "stop_cluster_after": 0}])
-    return results, logs[0]
+    return results, logs[0], metrics
 
 
 def test_a_fresh_instance_reuses_the_shared_prefix_and_generates_the_same(
@@ -136,13 +143,13 @@ def test_a_fresh_instance_reuses_the_shared_prefix_and_generates_the_same(
 
 
 def test_two_salts_never_share_a_block(fresh):
-    results, _ = fresh
+    results, _, _ = fresh
     assert results[1]["cached"] == 0  # tenant-b: nothing, though tenant-a's copy is in kvstore
     assert results[2]["cached"] == len(SYSTEM) // BLOCK * BLOCK
 
 
 def test_a_corrupted_block_is_recomputed_and_the_output_is_the_same(reference, fresh):
-    results, log = fresh
+    results, log, _ = fresh
     # vLLM counts an asynchronous load's tokens as cached when it admits the request, so the
     # rejection shows in the connector's report: blocks 3, 4 and 5 are recomputed.
     assert "3 of 6 blocks" in log and "vLLM recomputes them" in log
@@ -151,7 +158,7 @@ def test_a_corrupted_block_is_recomputed_and_the_output_is_the_same(reference, f
 
 def test_a_corrupted_block_loaded_in_the_forward_is_recomputed_and_the_output_is_the_same(
         reference, fresh):
-    results, log = fresh
+    results, log, _ = fresh
     if len(os.sched_getaffinity(0)) > 1:  # B's forward is pinned to core 0: a core is spare
         # written from the arena on the spare core, its tag checked after: vLLM dropped that
         # step's output and recomputed blocks 2, 3 and 4
@@ -165,3 +172,19 @@ def test_a_cluster_that_goes_away_mid_run_means_recompute_not_failure(reference,
     assert len(got) == len(LATE_PROMPTS)  # every request answered, none failed or hung
     for result, prompt in zip(got, LATE_PROMPTS, strict=True):
         assert_same(result, reference[tuple(prompt)])
+
+
+def test_vllms_own_metrics_count_what_kvstore_loaded_and_what_vllm_recomputed(fresh):
+    """B loaded the shared prefix for two requests (9 blocks each), the damaged prefixes up to
+    their damage (3 and at least 2 blocks), had vLLM recompute at least 3 blocks of each, and
+    published tenant-b's own copy of the system prompt (9 blocks)."""
+    metrics = fresh[2]
+    loaded = metrics["vllm:kvstore_loaded_blocks"]
+    failed = metrics["vllm:kvstore_load_failed_blocks"]
+    saved = metrics["vllm:kvstore_saved_blocks"]
+    assert loaded >= 2 * (len(SYSTEM) // BLOCK) + 3 + 2 and failed >= 3 + 3 and saved >= 9
+    block_bytes = metrics["vllm:kvstore_loaded_bytes"] / loaded
+    assert block_bytes == metrics["vllm:kvstore_saved_bytes"] / saved and block_bytes % 1 == 0
+    # Counted in seconds, which vLLM's LLM.get_metrics() reads back as a whole number (the
+    # worker side's own test checks that the time is counted).
+    assert metrics["vllm:kvstore_fetch_seconds"] >= 0

@@ -94,6 +94,12 @@ def test_blocks_from_the_first_miss_on_are_load_errors_and_stay_untouched(
     forward(reader)
     assert reader.load_errors() == {4, 5}
     assert reader.load_errors() == set()  # reported once
+    # vLLM's statistics (get_kv_connector_stats): what moved, what vLLM recomputes.
+    payload = ns("").payload_nbytes
+    assert writer.tally.take() == {"saved_blocks": 3, "saved_bytes": 3 * payload}
+    figures = reader.tally.take()
+    assert figures.pop("fetch_seconds") > 0
+    assert figures == {"loaded_blocks": 1, "loaded_bytes": payload, "load_failed_blocks": 2}
     for name in dst:
         assert torch.equal(dst[name][3], src[name][0])
         assert torch.equal(dst[name][4], before[name][4])

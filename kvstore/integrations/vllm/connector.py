@@ -39,6 +39,7 @@ from kvstore.integrations.vllm.namespace import (
 from kvstore.integrations.vllm.plans import StepPlan
 from kvstore.integrations.vllm.scheduler_side import SchedulerSide
 from kvstore.integrations.vllm.tenancy import tenancy
+from kvstore.integrations.vllm.transfer_stats import KVStorePromMetrics, KVStoreTransferStats
 from kvstore.integrations.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -176,6 +177,26 @@ class KVStoreConnector(KVConnectorBase_V1):
         if self.worker_side is not None:
             self.worker_side.close()
         self.store.close()
+
+    # -- vLLM's statistics (kvstore.integrations.vllm.transfer_stats) ---------------------
+    def get_kv_connector_stats(self) -> KVStoreTransferStats | None:
+        """What this worker moved since the last step; None when nothing (vLLM then sends
+        no connector output for the step)."""
+        if self.worker_side is None:
+            return None
+        taken = self.worker_side.tally.take()
+        return KVStoreTransferStats(data=taken) if taken else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVStoreTransferStats:
+        return KVStoreTransferStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVStorePromMetrics:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- scheduler side ------------------------------------------------------------------
     def _scheduler(self) -> SchedulerSide:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -56,6 +57,7 @@ from kvstore.integrations.vllm.paged_layout import (
 )
 from kvstore.integrations.vllm.plans import BlockTransfer, StepPlan
 from kvstore.integrations.vllm.spare_core import SpareCoreLoader, SpareCoreStep, spare_cores
+from kvstore.integrations.vllm.transfer_tally import TransferTally
 from kvstore.keys import Namespace
 
 log = logging.getLogger(__name__)
@@ -132,8 +134,20 @@ class WorkerSide:
         self._step_began.set()
         self._lock = threading.Lock()
         self._buffer: torch.Tensor | None = None
-        self.loaded_blocks = 0
-        self.saved_blocks = 0
+        self.tally = TransferTally()  # for vLLM's statistics (get_kv_connector_stats)
+
+    @property
+    def loaded_blocks(self) -> int:
+        return int(self.tally.total("loaded_blocks"))
+
+    @property
+    def saved_blocks(self) -> int:
+        return int(self.tally.total("saved_blocks"))
+
+    def _count(self, kind: str, num_blocks: int) -> None:
+        """``num_blocks`` blocks ``loaded`` into or ``saved`` out of vLLM's caches."""
+        self.tally.add(f"{kind}_blocks", num_blocks)
+        self.tally.add(f"{kind}_bytes", num_blocks * self.namespace_of("").payload_nbytes)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """vLLM's per-layer caches, in layer order; connects to the store node now, so the
@@ -191,8 +205,7 @@ class WorkerSide:
                                            self._fetch_step)
             return
         fetched = self._fetch_step(sync)
-        for f in fetched:
-            self.loaded_blocks += len(f.block_ids)
+        self._count("loaded", sum(len(f.block_ids) for f in fetched))
         if not self.layerwise:
             for f in fetched:
                 if f.payloads is not None:
@@ -221,7 +234,7 @@ class WorkerSide:
             step.wait(i)
         if isinstance(step, SpareCoreStep):
             step.join()
-            self.loaded_blocks += step.loaded
+            self._count("loaded", step.loaded)
             self._add_errors(step.failed)
         if step.error is not None:
             self._add_errors(step.block_ids)
@@ -248,7 +261,7 @@ class WorkerSide:
                 scatter_blocks(self.layers, fetched.block_ids, fetched.payloads)
             if on_cuda(device):  # written before vLLM is told, and schedules the request
                 torch.cuda.current_stream(device).synchronize()
-            self.loaded_blocks += len(fetched.block_ids)
+            self._count("loaded", len(fetched.block_ids))
         except Exception:  # never a failed request: vLLM recomputes the whole transfer
             log.exception("kvstore: loading %s failed; vLLM recomputes it", t.request_id)
             self._add_errors(t.block_ids)
@@ -262,10 +275,12 @@ class WorkerSide:
             rows = sum(len(t.keys) for t in transfers)
             out = self._rows(rows, block_nbytes(namespace), shared=not transfers[0].asynchronous)
         fetched, row = [], 0
+        started = time.perf_counter()
         for t in transfers:
             part = None if out is None else out[row:row + len(t.keys)]
             row += len(t.keys)
             fetched.append(self._fetch(t, part))
+        self.tally.add("fetch_seconds", time.perf_counter() - started)
         return fetched
 
     def _rows(self, rows: int, nbytes: int, *, shared: bool) -> torch.Tensor:
@@ -316,6 +331,7 @@ class WorkerSide:
     def _add_errors(self, block_ids: Sequence[int]) -> None:
         with self._errors_lock:
             self._load_errors.update(block_ids)
+        self.tally.add("load_failed_blocks", len(block_ids))
 
     def load_errors(self) -> set[int]:
         """vLLM blocks whose load failed since the last call (vLLM recomputes them)."""
@@ -379,7 +395,7 @@ class WorkerSide:
             puts = [BlockPut(k, p, tok, payloads[i]) for i, (k, p, tok)
                     in enumerate(zip(t.keys, t.parents, t.tokens, strict=True))]
             self.store.batch_put(self.namespace_of(t.cache_salt), puts)
-            self.saved_blocks += len(puts)
+            self._count("saved", len(puts))
         except Exception as exc:  # a cache that misses later, never a failed request
             if pending.dropped:
                 return  # said once, in _drop_ungathered
