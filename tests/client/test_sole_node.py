@@ -6,18 +6,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvstore.client.sole_node import SoleNode
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.fake_clock import FakeClock
 
 
 def test_alone_only_while_the_directory_lists_this_node_alone_and_the_answer_is_fresh() -> None:
-    clock, listed = Clock(), {"a": 1}
+    clock, listed = FakeClock(100.0), {"a": 1}
     calls: list[int] = []
 
     def nodes() -> Mapping[str, int]:

@@ -13,26 +13,19 @@ from kvstore.config import ClientConfig
 from kvstore.errors import ConfigError
 from tests.client.test_cluster_store import cluster, make_puts  # noqa: F401 (fixture)
 from tests.node.test_store_server import make_namespace
+from tests.support.fake_clock import FakeClock
 from tests.support.silent_listener import SilentListener
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_node_that_answers_is_never_skipped() -> None:
-    nodes = UnreachableNodes(5.0, 30.0, clock=Clock())
+    nodes = UnreachableNodes(5.0, 30.0, clock=FakeClock())
     hit = PrefixHit(2, [["a"], ["a", "b"]])
     assert not nodes.skip("a") and not nodes.cooling("a")
     assert nodes.reachable(hit) is hit and nodes.retry_in("a") == 0.0
 
 
 def test_a_failed_node_is_skipped_then_probed_by_one_read() -> None:
-    clock = Clock()
+    clock = FakeClock()
     nodes = UnreachableNodes(5.0, 30.0, clock=clock)
     nodes.failed("a", "timed out")
     assert nodes.cooling("a") and nodes.skip("a") and nodes.retry_in("a") == 5.0
@@ -51,7 +44,7 @@ def test_a_failed_node_is_skipped_then_probed_by_one_read() -> None:
 
 
 def test_each_failed_probe_doubles_the_cooldown_up_to_the_max() -> None:
-    clock = Clock()
+    clock = FakeClock()
     nodes = UnreachableNodes(5.0, 12.0, clock=clock)
     nodes.failed("a")
     for expected in (10.0, 12.0, 12.0):
@@ -63,7 +56,7 @@ def test_each_failed_probe_doubles_the_cooldown_up_to_the_max() -> None:
 
 def test_a_failure_inside_the_cooldown_does_not_extend_it() -> None:
     """Reads that started before the first failure time out a little later: the same fault."""
-    clock = Clock()
+    clock = FakeClock()
     nodes = UnreachableNodes(5.0, 30.0, clock=clock)
     nodes.failed("a")
     clock.now += 1.0
@@ -72,7 +65,7 @@ def test_a_failure_inside_the_cooldown_does_not_extend_it() -> None:
 
 
 def test_a_probe_that_never_reports_lets_another_read_probe_later() -> None:
-    clock = Clock()
+    clock = FakeClock()
     nodes = UnreachableNodes(5.0, 30.0, clock=clock)
     nodes.failed("a")
     clock.now += 5.0
@@ -82,7 +75,7 @@ def test_a_probe_that_never_reports_lets_another_read_probe_later() -> None:
 
 
 def test_a_zero_cooldown_never_skips() -> None:
-    nodes = UnreachableNodes(0.0, 0.0, clock=Clock())
+    nodes = UnreachableNodes(0.0, 0.0, clock=FakeClock())
     nodes.failed("a")
     assert not nodes.skip("a") and not nodes.cooling("a")
 
@@ -112,7 +105,7 @@ def test_a_silent_node_costs_one_timeout_then_is_skipped_until_it_answers(cluste
     silent = SilentListener()
     live = directory["node-a"]
     directory["node-a"] = NodeAddress("node-a", silent.address, silent.address)
-    clock = Clock()
+    clock = FakeClock()
     breakers = UnreachableNodes(60.0, 60.0, clock=clock)
     config = ClientConfig(timeout_s=0.5, retries=0, index_view_ttl_s=0)
     reader = ClusterStore("node-b", index, directory.__getitem__, config, unreachable=breakers)

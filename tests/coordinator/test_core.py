@@ -23,6 +23,7 @@ from kvstore.coordinator.core import CoordinatorCore
 from kvstore.coordinator.table_index import TableIndex
 from kvstore.index.base import Index, IndexEntry
 from kvstore.index.memory import InMemoryIndex
+from tests.support.fake_clock import FakeClock
 from tests.support.redis_server import RedisProcess
 
 ROOT = hashlib.sha256(b"ns-a").digest()
@@ -52,13 +53,6 @@ def make_shared_index() -> Index:
     """An index that outlives a core (as Redis does), in the current mode."""
     return TableIndex() if _KIND["index"] == "table" else InMemoryIndex()
 
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make_chain(n: int, salt: str, root: bytes = ROOT) -> list[bytes]:

@@ -19,6 +19,7 @@ from kvstore.coordinator.lru import LRUTable
 from kvstore.coordinator.table_index import TableIndex
 from kvstore.errors import KVStoreError
 from kvstore.index.base import IndexEntry
+from tests.support.fake_clock import FakeClock
 
 ROOT = hashlib.sha256(b"holders").digest()
 BLOCK = 100
@@ -160,16 +161,9 @@ def test_slot_limits_are_typed_errors() -> None:
         index.claim_node("n3")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
 
 def test_core_with_200_nodes_publishes_evicts_and_drops_dead_ones() -> None:
-    clock = Clock()
+    clock = FakeClock()
     core = CoordinatorCore(KVStoreConfig(coordinator=CoordinatorConfig(
         node_timeout_s=10.0, high_watermark=0.9, low_watermark=0.8)),  # 11 blocks -> 8
                            clock=clock)

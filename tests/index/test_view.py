@@ -6,14 +6,7 @@ from __future__ import annotations
 from kvstore.index.base import IndexEntry
 from kvstore.index.memory import InMemoryIndex
 from kvstore.index.view import IndexView
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.fake_clock import FakeClock
 
 
 def keys_of(n: int, tag: int = 0) -> list[bytes]:
@@ -24,8 +17,8 @@ def publish(index: InMemoryIndex, keys: list[bytes], node: str) -> None:
     index.publish([IndexEntry(k, node, 10, b"\0" * 32, b"\1" * 32) for k in keys])
 
 
-def make_view(ttl_s: float = 1.0) -> tuple[InMemoryIndex, IndexView, Clock]:
-    index, clock = InMemoryIndex(), Clock()
+def make_view(ttl_s: float = 1.0) -> tuple[InMemoryIndex, IndexView, FakeClock]:
+    index, clock = InMemoryIndex(), FakeClock(100.0)
     return index, IndexView(index, ttl_s, clock=clock), clock
 
 
@@ -87,7 +80,7 @@ def test_ttl_zero_always_asks() -> None:
 
 def test_size_bound_drops_the_oldest() -> None:
     index = InMemoryIndex()
-    view = IndexView(index, 10.0, clock=Clock(), max_keys=8)
+    view = IndexView(index, 10.0, clock=FakeClock(100.0), max_keys=8)
     view.put(keys_of(9), "a")
     assert len(view._known) <= 8
     assert view._get(keys_of(9)[-1], 100.0) == ["a"]
