@@ -28,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.errors import ConfigError
 from kvstore.integrations.vllm.namespace import (
@@ -46,6 +47,20 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 log = logging.getLogger(__name__)
+
+#: The scheduler side's names for where a load's blocks lie, as vLLM's cache-hit sources.
+_HIT_SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
+                "p2p": CacheHitSource.P2P}
+
+
+def cache_hit_sources(split: dict[str, int], num_external_tokens: int
+                      ) -> dict[CacheHitSource, int]:
+    """``split`` (``SchedulerSide.hit_sources``) as vLLM's sources; when it does not add up to
+    the tokens vLLM counts, vLLM's count wins, under ``EXTERNAL_UNSPECIFIED``."""
+    if sum(split.values()) != num_external_tokens:
+        return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens} \
+            if num_external_tokens else {}
+    return {_HIT_SOURCES[name]: n for name, n in split.items() if n}
 
 
 class KVStoreMetadata(KVConnectorMetadata):
@@ -179,6 +194,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.store.close()
 
     # -- vLLM's statistics (kvstore.integrations.vllm.transfer_stats) ---------------------
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
+                                       ) -> dict[CacheHitSource, int]:
+        """The tokens kvstore supplies, by tier, for vLLM's cached-prompt-tokens-by-source
+        metric: this host's memory, its disk tier, or another node (peer to peer)."""
+        return cache_hit_sources(self._scheduler().hit_sources(request.request_id),
+                                 num_external_tokens)
+
     def get_kv_connector_stats(self) -> KVStoreTransferStats | None:
         """What this worker moved since the last step; None when nothing (vLLM then sends
         no connector output for the step)."""

@@ -51,6 +51,7 @@ class _Tracked:
     block_ids: list[int] | None = None
     holders: list[list[str]] | None = None  # per hit block, from the lookup
     lease: Any = None  # the lookup's lease on this host's node, until a load takes it
+    sources: dict[str, int] | None = None  # the load's tokens by where they lie (hit_sources)
 
 
 LOAD_MODES = ("auto", "sync", "async")
@@ -149,9 +150,31 @@ class SchedulerSide:
         tracked.block_ids = list(block_ids)
         tracked.load_blocks = num_external_tokens // self.block_size
         if tracked.load_blocks:
+            tracked.sources = self._sources(tracked)
             self._pending_loads.append(request.request_id)
         else:
             self._release(tracked)
+
+    def hit_sources(self, request_id: str) -> dict[str, int]:
+        """The tokens a request loads from kvstore, by where they lie (vLLM's cache-hit
+        sources): ``disk`` (this host's node's disk tier), ``host`` (its memory), ``p2p``
+        (another node). Empty when it loads nothing."""
+        tracked = self._requests.get(request_id)
+        return dict(tracked.sources or {}) if tracked is not None else {}
+
+    def _sources(self, t: _Tracked) -> dict[str, int]:
+        """Where the blocks to load lie, as the lookup and its lease said: the worker reads
+        this host's node first, so a block held here and elsewhere counts as here."""
+        info = getattr(t.lease, "info", None)  # a HeldLease's; the rest only passes it on
+        on_disk = {loc.key for loc in getattr(info, "locations", ()) if loc.path}
+        here = getattr(self.store, "local_node_id", None)  # None: an embedded LocalStore
+        counts: dict[str, int] = {}
+        for i in range(t.local_blocks, t.local_blocks + t.load_blocks):
+            holders = t.holders[i] if t.holders is not None and i < len(t.holders) else []
+            source = "disk" if t.keys[i] in on_disk else (
+                "host" if here is None or here in holders else "p2p")
+            counts[source] = counts.get(source, 0) + self.block_size
+        return counts
 
     # -- plans ---------------------------------------------------------------------------
     def step_plan(self, scheduler_output: Any) -> StepPlan:
