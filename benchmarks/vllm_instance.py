@@ -86,11 +86,16 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def connector_metrics(llm: Any) -> dict[str, float]:
-    """kvstore's counters on vLLM's own metrics (``vllm:kvstore_*``, summed over engines)."""
+    """kvstore's counters on vLLM's own metrics (``vllm:kvstore_*``), and vLLM's cached prompt
+    tokens by source (``vllm:prompt_tokens_cached_by_source:<source>``), summed over engines."""
     totals: dict[str, float] = {}
     for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:kvstore_"):
-            totals[metric.name] = totals.get(metric.name, 0) + metric.value
+        name = metric.name
+        if name == "vllm:prompt_tokens_cached_by_source":
+            name += ":" + metric.labels.get("source", "")
+        elif not name.startswith("vllm:kvstore_"):
+            continue
+        totals[name] = totals.get(name, 0) + metric.value
     return totals
 
 

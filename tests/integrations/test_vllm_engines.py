@@ -188,3 +188,8 @@ def test_vllms_own_metrics_count_what_kvstore_loaded_and_what_vllm_recomputed(fr
     # Counted in seconds, which vLLM's LLM.get_metrics() reads back as a whole number (the
     # worker side's own test checks that the time is counted).
     assert metrics["vllm:kvstore_fetch_seconds"] >= 0
+    # vLLM's cached tokens by source: kvstore's all came from this machine's store node.
+    by_source = {name.rsplit(":", 1)[1]: n for name, n in metrics.items()
+                 if name.startswith("vllm:prompt_tokens_cached_by_source:")}
+    assert by_source.get("host", 0) >= 2 * (len(SYSTEM) // BLOCK * BLOCK), by_source
+    assert not by_source.get("p2p") and not by_source.get("external_unspecified"), by_source
