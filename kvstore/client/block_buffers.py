@@ -10,13 +10,16 @@ from kvstore.keys import Namespace
 
 
 def new_block_buffer(namespace: Namespace, num_blocks: int) -> torch.Tensor:
-    """A ``[num_blocks, block_nbytes]`` uint8 CPU tensor to pass to ``batch_get_into``.
+    """A ``[num_blocks, block_nbytes]`` uint8 CPU tensor to pass to ``batch_get_into``."""
+    return new_rows(num_blocks, block_nbytes(namespace))
 
-    Allocated by numpy, which asks the kernel for transparent huge pages on large arrays:
-    first touch then faults 2 MiB at a time instead of 4 KiB, so the buffer fills faster than
-    a ``torch.empty`` one, fresh or reused (fewer page faults and TLB misses).
-    """
-    return torch.from_numpy(np.empty((num_blocks, block_nbytes(namespace)), dtype=np.uint8))
+
+def new_rows(rows: int, nbytes: int) -> torch.Tensor:
+    """A ``[rows, nbytes]`` uint8 CPU tensor allocated by numpy, which asks the kernel for
+    transparent huge pages on large arrays: first touch then faults 2 MiB at a time instead of
+    4 KiB, so the buffer fills faster than a ``torch.empty`` one, fresh or reused (fewer page
+    faults and TLB misses)."""
+    return torch.from_numpy(np.empty((rows, nbytes), dtype=np.uint8))
 
 
 def check_block_buffer(out: torch.Tensor, num_blocks: int, nbytes: int) -> None:

@@ -94,7 +94,7 @@ class DeviceRows:
             with torch.cuda.stream(self._stream):
                 self.dst = torch.empty((num_rows, self.row_stride), dtype=torch.uint8,
                                        device=device)
-        else:  # numpy asks for huge pages on large arrays (block_buffers.new_block_buffer)
+        else:  # numpy asks for huge pages on large arrays (block_buffers.new_rows)
             self._np = np.empty((num_rows, self.row_stride), dtype=np.uint8)
             self.dst = torch.from_numpy(self._np)
 

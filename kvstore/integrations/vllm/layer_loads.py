@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
+from kvstore.client.block_buffers import new_rows
 from kvstore.integrations.vllm.paged_layout import LayerCache, plan_scatter, scatter_layer
 from kvstore.integrations.vllm.plans import BlockTransfer
 
@@ -29,13 +29,6 @@ class Fetched:
     def block_ids(self) -> list[int]:
         n = 0 if self.payloads is None else self.payloads.shape[0]
         return self.transfer.block_ids[:n]
-
-
-def new_rows(rows: int, nbytes: int) -> torch.Tensor:
-    """A ``[rows, nbytes]`` uint8 fetch buffer, allocated by numpy: it asks the kernel for
-    transparent huge pages on large arrays, so a fresh buffer's first fill faults 2 MiB at a
-    time rather than 4 KiB (``block_buffers.new_block_buffer`` does the same for its callers)."""
-    return torch.from_numpy(np.empty((rows, nbytes), dtype=np.uint8))
 
 
 def touched_rows(rows: int, nbytes: int) -> torch.Tensor:

@@ -41,14 +41,9 @@ import torch
 
 from kvstore.api import BlockPut, FetchedBlock
 from kvstore.block import block_nbytes, payload_offset
+from kvstore.client.block_buffers import new_rows
 from kvstore.client.verify_pool import cap_threads
-from kvstore.integrations.vllm.layer_loads import (
-    Fetched,
-    LayerLoads,
-    new_rows,
-    on_cuda,
-    touched_rows,
-)
+from kvstore.integrations.vllm.layer_loads import Fetched, LayerLoads, on_cuda, touched_rows
 from kvstore.integrations.vllm.paged_layout import (
     LayerCache,
     gather_blocks,
