@@ -292,15 +292,23 @@ def test_killed_store_node_leaves_index_readers_miss(kv: KVStoreConfig,
     chain = make_chain(4)
     writer.batch_put(NS, chain.puts())
     assert rdr.lookup_prefix(NS, chain.keys).num_blocks == 4
-    ray.kill(store_actor(b), no_restart=True)
+    coordinator = coordinator_handle()
+    old_address = ray.get(coordinator.directory.remote())[b]
+    victim = store_actor(b)
+    ray.kill(victim, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):  # the kill has landed
+        ray.get(victim.keys.remote(), timeout=30)
     got = rdr.batch_get(NS, chain.keys, chain.tokens)  # never raises: misses, then recompute
-    assert all(isinstance(r, (Miss, FetchedBlock)) for r in got)
-    wait_for(lambda: rdr.lookup_prefix(NS, chain.keys).num_blocks == 0, 10,
+    assert all(isinstance(r, Miss) for r in got), got
+    # Ask the coordinator, not the reader: a reader whose read found the node gone stops
+    # counting its blocks at once (kvstore.client.unreachable), long before the coordinator
+    # drops the node and its old address, and the next test must not start before that.
+    wait_for(lambda: ray.get(coordinator.lookup_prefix.remote(chain.keys)).num_blocks == 0, 10,
              "the dead node's keys to leave the index")
     assert all(isinstance(r, Miss) for r in rdr.batch_get(NS, chain.keys, chain.tokens))
-    # The watcher gives node b a fresh store node; it registers empty.
-    wait_for(lambda: b in ray.get(coordinator_handle().directory.remote()), 30,
-             "a new store node on the Ray node")
+    # The watcher gives node b a fresh store node; it registers empty, at a new address.
+    wait_for(lambda: ray.get(coordinator.directory.remote()).get(b) not in (None, old_address),
+             30, "a new store node on the Ray node")
     writer.close()
     rdr.close()
 
