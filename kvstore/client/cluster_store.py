@@ -45,10 +45,11 @@ from kvstore.client.arena_blocks import ArenaBlocks, arena_blocks
 from kvstore.client.arena_populate import Populator
 from kvstore.client.block_buffers import check_block_buffer, new_block_buffer
 from kvstore.client.device_copy import DeviceRows, dma_path, target_device
-from kvstore.client.directory import Directory, lister, resolver
+from kvstore.client.directory import Directory, lister
 from kvstore.client.early_fetch import EarlyFetch
 from kvstore.client.leased_reads import HeldLease
 from kvstore.client.node_client import StoreNodeClient
+from kvstore.client.node_clients import NodeClients
 from kvstore.client.sole_node import SoleNode
 from kvstore.client.unreachable import UnreachableNodes
 from kvstore.config import ClientConfig
@@ -85,14 +86,14 @@ class ClusterStore:
         # for config.index_view_ttl_s (kvstore.index.view: staleness is a miss, never wrong KV).
         self.view = IndexView(index, self.config.index_view_ttl_s)
         self.lease_ttl_s = lease_ttl_s
-        self._resolve = resolver(directory)
-        self.sole = SoleNode(self.local_node_id, lister(directory))
         # Nodes that just failed to answer, skipped for a while (kvstore.client.unreachable).
         self.unreachable = unreachable or UnreachableNodes(
             self.config.unreachable_cooldown_s, self.config.unreachable_max_cooldown_s)
-        self._clients: dict[str, StoreNodeClient] = {}
+        self.clients = NodeClients(directory, self.config, local_node_id=self.local_node_id,
+                                   lease_ttl_s=lease_ttl_s, unreachable=self.unreachable)
+        self.sole = SoleNode(self.local_node_id, lister(directory),
+                             on_listing=self.clients.saw_directory)
         self._no_local_calls = False  # set once this host's node cannot answer lookups
-        self._lock = threading.Lock()
         self._closed = threading.Event()
         self._pusher = threading.Thread(target=self._push_loop, daemon=True,
                                         name="kvstore-metrics-push")
@@ -124,7 +125,7 @@ class ClusterStore:
     def _held_here(self, namespace: Namespace, keys: list[bytes]) -> int | None:
         """How many leading ``keys`` this host's store node holds, when it answers on its
         bulk channel (None when there is none, or it fails: the index is asked then)."""
-        if self._no_local_calls:
+        if self._no_local_calls or self.unreachable.cooling(self.local_node_id):
             return None
         try:
             client = self._client(self.local_node_id)
@@ -144,7 +145,8 @@ class ClusterStore:
         (``batch_get``'s ``held``: vLLM's worker, after its scheduler looked the prompt up),
         which then takes none. No lease where the node cannot be asked so, or holds none."""
         keys = [bytes(k) for k in keys]
-        client = None if self._no_local_calls else self._client_or_none(self.local_node_id)
+        client = None if self._no_local_calls or self.unreachable.cooling(self.local_node_id) \
+            else self._client_or_none(self.local_node_id)
         if client is None or not (client.same_node and client.has_bulk):
             return self.lookup_prefix(namespace, keys), None
         granted = time.monotonic()
@@ -180,10 +182,7 @@ class ClusterStore:
             client.release_nowait(lease.info.lease_id)
 
     def _client_or_none(self, node: str) -> StoreNodeClient | None:
-        try:
-            return self._client(node)
-        except KVStoreError:
-            return None
+        return self.clients.get_or_none(node)
 
     def batch_get(self, namespace: Namespace, keys: Sequence[bytes],
                   token_ids: Sequence[TokenIds], *, device: torch.device | str | None = None,
@@ -353,8 +352,7 @@ class ClusterStore:
             if resolve:
                 client: StoreNodeClient | None = self._client(self.node_id)
             else:
-                with self._lock:
-                    client = self._clients.get(self.node_id)
+                client = self.clients.cached(self.node_id)
             if client is None:
                 reader_metrics.restore_pending(tally)
                 return False
@@ -370,10 +368,7 @@ class ClusterStore:
         """Push the last metrics (a short job's figures count too), then close connections."""
         self._closed.set()
         self.flush_metrics()
-        with self._lock:
-            clients, self._clients = list(self._clients.values()), {}
-        for client in clients:
-            client.close()
+        self.clients.close()
         if self._owns_index:
             self.index.close()
 
@@ -418,30 +413,10 @@ class ClusterStore:
         return own + [h for h in holders if h != self.local_node_id]
 
     def _client(self, node: str) -> StoreNodeClient:
-        with self._lock:
-            client = self._clients.get(node)
-        if client is not None:
-            return client
-        try:
-            addr = self._resolve(node)
-        except Exception as exc:
-            raise NodeUnavailable(f"node {node[:12]} is not in the directory: {exc}") from exc
-        client = StoreNodeClient(
-            addr.grpc_address, bulk_address=addr.bulk_address, shm_path=addr.shm_path,
-            same_node=node == self.local_node_id, config=self.config,
-            lease_ttl_s=self.lease_ttl_s, reader_node_id=self.local_node_id,
-        )
-        with self._lock:
-            existing = self._clients.setdefault(node, client)
-        if existing is not client:
-            client.close()
-        return existing
+        return self.clients.get(node)
 
     def _drop_client(self, node: str) -> None:
-        with self._lock:
-            client = self._clients.pop(node, None)
-        if client is not None:
-            client.close()
+        self.clients.drop(node)
 
     def _fetch_group(self, namespace: Namespace, node: str, idxs: list[int], keys: list[bytes],
                      token_ids: Sequence[TokenIds], out: torch.Tensor | DeviceRows,
@@ -449,6 +424,7 @@ class ClusterStore:
                      held: HeldLease | None = None) -> None:
         nbytes = block_nbytes(namespace)
         t0 = time.perf_counter()
+        client = None
         try:
             client = self._client(node)
             group_keys, group_tokens = [keys[i] for i in idxs], [token_ids[i] for i in idxs]
@@ -467,7 +443,8 @@ class ClusterStore:
         except (KVStoreError, OSError, ValueError) as exc:
             if isinstance(exc, NodeUnavailable):
                 self._drop_client(node)  # reconnect (or re-resolve) next time
-                self.unreachable.failed(node, exc)
+                self.unreachable.failed(node, exc,
+                                        address=None if client is None else client.address)
             self.view.forget([keys[i] for i in idxs])
             for i in idxs:
                 last_miss[i] = Miss(keys[i], MISS_NODE_UNAVAILABLE, f"{node[:12]}: {exc}")

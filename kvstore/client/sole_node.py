@@ -30,12 +30,15 @@ class SoleNode:
 
     def __init__(self, node_id: str, nodes: Callable[[], Mapping[str, Any]] | None, *,
                  max_age_s: float = MAX_AGE_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_listing: Callable[[Mapping[str, Any]], None] | None = None) -> None:
         """``nodes``: the directory as a zero-argument call returning every node by id, or
-        None where the directory only resolves one id at a time (never alone then)."""
+        None where the directory only resolves one id at a time (never alone then);
+        ``on_listing``: also told each listing (what else the caller learns from it)."""
         self.node_id = node_id
         self.max_age_s = max_age_s
         self._nodes = nodes
+        self._on_listing = on_listing
         self._clock = clock
         self._alone = False
         self._checked_at: float | None = None
@@ -61,9 +64,12 @@ class SoleNode:
         if if_older and checked is not None and self._clock() - checked < self.max_age_s:
             return
         try:
-            alone = set(self._nodes()) == {self.node_id}
+            listing = self._nodes()
+            alone = set(listing) == {self.node_id}
         except Exception as exc:  # the coordinator is away: ask the index meanwhile
             log.debug("the store directory did not answer: %s", exc)
-            alone = False
+            listing, alone = None, False
+        if listing is not None and self._on_listing is not None:
+            self._on_listing(listing)
         with self._lock:
             self._alone, self._checked_at = alone, self._clock()

@@ -10,7 +10,10 @@ recomputes. So a reader keeps one small circuit breaker per node:
   as it would after the timeout, only sooner);
 - when that time is up, one read probes the node while the others keep skipping it;
 - the probe's success ends the cooldown; another failure starts one twice as long, up to
-  ``max_cooldown_s``.
+  ``max_cooldown_s``;
+- a node the directory names at another address than the one that failed is a replacement
+  (the store node restarted, on a new port): trusted at once, not left to wait out a cooldown
+  earned by its predecessor.
 
 Skipping costs recomputation, never correctness: a skipped block is a miss with its reason.
 """
@@ -35,6 +38,7 @@ class _Suspect:
     failures: int
     cooldown_s: float
     retry_at: float
+    address: str | None = None  # where it failed; None: not known
     probing: bool = False
 
 
@@ -54,8 +58,9 @@ class UnreachableNodes:
         self._suspects: dict[str, _Suspect] = {}
         self._lock = threading.Lock()
 
-    def failed(self, node: str, reason: object = "") -> None:
-        """``node`` did not answer: skip it for the next cooldown (longer after each failure)."""
+    def failed(self, node: str, reason: object = "", *, address: str | None = None) -> None:
+        """``node`` did not answer (at ``address``, where known): skip it for the next cooldown
+        (longer after each failure)."""
         if self.cooldown_s <= 0:
             return
         now = self._clock()
@@ -66,7 +71,9 @@ class UnreachableNodes:
             cooldown = self.cooldown_s if old is None else min(old.cooldown_s * 2,
                                                                self.max_cooldown_s)
             failures = 1 if old is None else old.failures + 1
-            self._suspects[node] = _Suspect(failures, cooldown, now + cooldown)
+            self._suspects[node] = _Suspect(failures, cooldown, now + cooldown,
+                                            address if address is not None
+                                            else None if old is None else old.address)
         log.warning("store node %s did not answer (%s): reads skip it for %.0f s "
                     "(failure %d in a row)", node[:12], reason, cooldown, failures)
 
@@ -78,6 +85,19 @@ class UnreachableNodes:
             gone = self._suspects.pop(node, None)
         if gone is not None:
             log.info("store node %s answers again", node[:12])
+
+    def resolved(self, node: str, address: str) -> None:
+        """The directory names ``address`` for ``node``: if that node failed at another
+        address, this is a new store node there, and the old one's failures do not count."""
+        if node not in self._suspects:
+            return
+        with self._lock:
+            suspect = self._suspects.get(node)
+            if suspect is None or suspect.address in (None, address):
+                return
+            del self._suspects[node]
+        log.info("store node %s moved from %s to %s: trusted again", node[:12],
+                 suspect.address, address)
 
     def cooling(self, node: str) -> bool:
         """Whether ``node`` is inside its cooldown or a probe's window (a lookup's question:

@@ -48,3 +48,12 @@ def test_a_failing_or_per_id_directory_is_never_alone() -> None:
     other = SoleNode("a", lambda: {"b": 1})
     other.refresh()
     assert not other.alone()
+
+
+def test_each_listing_is_passed_on() -> None:
+    """ClusterStore learns from it which failed nodes were replaced (kvstore.client.unreachable)."""
+    seen: list[Mapping[str, int]] = []
+    sole = SoleNode("a", lambda: {"a": 1, "b": 2}, on_listing=seen.append)
+    sole.refresh()
+    sole.refresh()  # younger than max_age_s: not asked, not passed on again
+    assert seen == [{"a": 1, "b": 2}]

@@ -74,6 +74,22 @@ def test_a_probe_that_never_reports_lets_another_read_probe_later() -> None:
     assert not nodes.skip("a")
 
 
+def test_a_node_the_directory_names_at_a_new_address_is_trusted_at_once() -> None:
+    """A store node restarted on the same host (a new port) owes nothing to its predecessor."""
+    clock = FakeClock()
+    nodes = UnreachableNodes(5.0, 30.0, clock=clock)
+    nodes.failed("a", "timed out", address="10.0.0.1:7000")
+    nodes.failed("b", "not in the directory")  # where it failed is not known
+    nodes.resolved("a", "10.0.0.1:7000")  # the directory still names the silent one
+    nodes.resolved("b", "10.0.0.2:7000")
+    assert nodes.cooling("a") and nodes.cooling("b")
+    clock.now += 5.0
+    assert not nodes.skip("a")  # the probe ...
+    nodes.failed("a", "timed out")  # ... fails: the address it failed at is kept
+    nodes.resolved("a", "10.0.0.1:7001")
+    assert not nodes.cooling("a") and not nodes.skip("a") and nodes.retry_in("a") == 0.0
+
+
 def test_a_zero_cooldown_never_skips() -> None:
     nodes = UnreachableNodes(0.0, 0.0, clock=FakeClock())
     nodes.failed("a")
@@ -127,6 +143,41 @@ def test_a_silent_node_costs_one_timeout_then_is_skipped_until_it_answers(cluste
         assert reader.lookup_prefix(ns, keys).num_blocks == 3
         got = reader.batch_get(ns, keys, tokens)
         assert all(isinstance(g, FetchedBlock) and g.node_id == "node-a" for g in got)
+        assert not breakers.cooling("node-a")
+    finally:
+        reader.close()
+        writer.close()
+        silent.close()
+
+
+@pytest.mark.parametrize("reader_node", ["node-a", "node-b"])  # its own host's node, another's
+def test_a_failed_node_replaced_at_a_new_address_is_read_at_once(cluster, reader_node: str  # noqa: F811
+                                                                 ) -> None:
+    """The store node restarted (on a new port): no read waits out its predecessor's cooldown.
+    A reader learns the new address when it resolves its own node for a lookup, and from the
+    directory's periodic listing for the others."""
+    index, _, directory = cluster
+    ns = make_namespace()
+    writer = ClusterStore("node-a", index, directory.__getitem__)
+    puts, tokens = make_puts(ns, 3)
+    writer.batch_put(ns, puts)
+    keys = [p.key for p in puts]
+    silent = SilentListener()
+    live = directory["node-a"]
+    directory["node-a"] = NodeAddress("node-a", silent.address, silent.address)
+    breakers = UnreachableNodes(60.0, 60.0, clock=FakeClock())
+    config = ClientConfig(timeout_s=0.5, retries=0, index_view_ttl_s=0)
+    reader = ClusterStore(reader_node, index, lambda: dict(directory), config,
+                          unreachable=breakers)
+    try:
+        got = reader.batch_get(ns, keys, tokens)
+        assert all(isinstance(g, Miss) and g.reason == MISS_NODE_UNAVAILABLE for g in got)
+        assert breakers.cooling("node-a") and reader.lookup_prefix(ns, keys).num_blocks == 0
+        directory["node-a"] = live  # the replacement registers; the clock does not move
+        reader.sole.refresh(if_older=False)  # the next listing (every SoleNode.max_age_s)
+        assert reader.lookup_prefix(ns, keys).num_blocks == 3
+        got = reader.batch_get(ns, keys, tokens)
+        assert all(isinstance(g, FetchedBlock) and g.node_id == "node-a" for g in got), got
         assert not breakers.cooling("node-a")
     finally:
         reader.close()
