@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 import threading
 import time
 from typing import Any
@@ -294,10 +295,10 @@ def test_killed_store_node_leaves_index_readers_miss(kv: KVStoreConfig,
     assert rdr.lookup_prefix(NS, chain.keys).num_blocks == 4
     coordinator = coordinator_handle()
     old_address = ray.get(coordinator.directory.remote())[b]
-    victim = store_actor(b)
-    ray.kill(victim, no_restart=True)
-    with pytest.raises(ray.exceptions.RayActorError):  # the kill has landed
-        ray.get(victim.keys.remote(), timeout=30)
+    ray.kill(store_actor(b), no_restart=True)
+    # Ray calls the actor dead before its process is gone; once its port refuses, every read
+    # of its blocks misses (and this reader's breaker skips the node from then on).
+    wait_for(lambda: refuses(old_address.grpc_address), 30, "the killed node's port to close")
     got = rdr.batch_get(NS, chain.keys, chain.tokens)  # never raises: misses, then recompute
     assert all(isinstance(r, Miss) for r in got), got
     # Ask the coordinator, not the reader: a reader whose read found the node gone stops
@@ -311,6 +312,18 @@ def test_killed_store_node_leaves_index_readers_miss(kv: KVStoreConfig,
              30, "a new store node on the Ray node")
     writer.close()
     rdr.close()
+
+
+def refuses(address: str) -> bool:
+    """Whether nothing listens at ``address`` (host:port) any more."""
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1.0).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _restart_coordinator_keeps_blocks(config: KVStoreConfig, ray_nodes: list[str]) -> None:
