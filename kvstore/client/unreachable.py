@@ -103,6 +103,8 @@ class UnreachableNodes:
         """Whether ``node`` is inside its cooldown or a probe's window (a lookup's question:
         no side effect, so a lookup after the cooldown counts the node's blocks and the read
         then probes it)."""
+        if not self._suspects:  # every node answers: the common case costs no lock
+            return False
         with self._lock:
             suspect = self._suspects.get(node)
             return suspect is not None and self._clock() < suspect.retry_at
