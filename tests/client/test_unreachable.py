@@ -4,6 +4,10 @@ accepts and stays silent, as a host behind a cut link does until the timeout).""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
 import pytest
 
 from kvstore.api import MISS_NODE_UNAVAILABLE, FetchedBlock, Miss, NodeAddress, PrefixHit
@@ -11,6 +15,7 @@ from kvstore.client.cluster_store import ClusterStore
 from kvstore.client.unreachable import UnreachableNodes, process_wide
 from kvstore.config import ClientConfig
 from kvstore.errors import ConfigError
+from kvstore.keys import Namespace
 from tests.client.test_cluster_store import cluster, make_puts  # noqa: F401 (fixture)
 from tests.node.test_store_server import make_namespace
 from tests.support.fake_clock import FakeClock
@@ -111,43 +116,66 @@ def test_clients_of_one_process_share_their_breakers() -> None:
     assert process_wide(5.0, 30.0) is not process_wide(1.0, 30.0)
 
 
-def test_a_silent_node_costs_one_timeout_then_is_skipped_until_it_answers(cluster) -> None:  # noqa: F811
-    index, _, directory = cluster
+@dataclass
+class SilencedNode:
+    """node-a holds three blocks, and the directory now names a port that never answers."""
+
+    ns: Namespace
+    keys: list[bytes]
+    tokens: list[list[int]]
+    live: NodeAddress  # node-a's real address, for the directory to name again
+    silent: SilentListener  # what the directory names now
+
+
+@contextmanager
+def node_a_silenced(nodes) -> Iterator[SilencedNode]:  # noqa: ANN001 - the cluster fixture
+    index, _, directory = nodes
     ns = make_namespace()
     writer = ClusterStore("node-a", index, directory.__getitem__)
     puts, tokens = make_puts(ns, 3)
     writer.batch_put(ns, puts)
-    keys = [p.key for p in puts]
     silent = SilentListener()
     live = directory["node-a"]
     directory["node-a"] = NodeAddress("node-a", silent.address, silent.address)
-    clock = FakeClock()
-    breakers = UnreachableNodes(60.0, 60.0, clock=clock)
-    config = ClientConfig(timeout_s=0.5, retries=0, index_view_ttl_s=0)
-    reader = ClusterStore("node-b", index, directory.__getitem__, config, unreachable=breakers)
     try:
-        assert reader.lookup_prefix(ns, keys).num_blocks == 3  # nothing known against it yet
-        got = reader.batch_get(ns, keys, tokens)  # times out once
-        assert all(isinstance(g, Miss) and g.reason == MISS_NODE_UNAVAILABLE for g in got)
-        offered = len(silent.accepted)
-        assert offered >= 1 and breakers.cooling("node-a")
-        # Within the cooldown: lookups do not count node-a's blocks, reads do not wait on it.
-        assert reader.lookup_prefix(ns, keys) == PrefixHit(0, [])
-        got = reader.batch_get(ns, keys, tokens)
-        assert all(isinstance(g, Miss) and g.reason == MISS_NODE_UNAVAILABLE
-                   and "skipped" in g.detail for g in got), got
-        assert len(silent.accepted) == offered  # not one more connection
-        # The node answers again: after the cooldown one read probes it, and it is back.
-        directory["node-a"] = live
-        clock.now += 60.0
-        assert reader.lookup_prefix(ns, keys).num_blocks == 3
-        got = reader.batch_get(ns, keys, tokens)
-        assert all(isinstance(g, FetchedBlock) and g.node_id == "node-a" for g in got)
-        assert not breakers.cooling("node-a")
+        yield SilencedNode(ns, [p.key for p in puts], tokens, live, silent)
     finally:
-        reader.close()
         writer.close()
         silent.close()
+
+
+CONFIG = ClientConfig(timeout_s=0.5, retries=0, index_view_ttl_s=0)
+
+
+def test_a_silent_node_costs_one_timeout_then_is_skipped_until_it_answers(cluster) -> None:  # noqa: F811
+    index, _, directory = cluster
+    clock = FakeClock()
+    breakers = UnreachableNodes(60.0, 60.0, clock=clock)
+    with node_a_silenced(cluster) as a:
+        ns, keys, tokens = a.ns, a.keys, a.tokens
+        reader = ClusterStore("node-b", index, directory.__getitem__, CONFIG,
+                              unreachable=breakers)
+        try:
+            assert reader.lookup_prefix(ns, keys).num_blocks == 3  # nothing known against it
+            got = reader.batch_get(ns, keys, tokens)  # times out once
+            assert all(isinstance(g, Miss) and g.reason == MISS_NODE_UNAVAILABLE for g in got)
+            offered = len(a.silent.accepted)
+            assert offered >= 1 and breakers.cooling("node-a")
+            # Within the cooldown: lookups do not count node-a's blocks, reads do not wait.
+            assert reader.lookup_prefix(ns, keys) == PrefixHit(0, [])
+            got = reader.batch_get(ns, keys, tokens)
+            assert all(isinstance(g, Miss) and g.reason == MISS_NODE_UNAVAILABLE
+                       and "skipped" in g.detail for g in got), got
+            assert len(a.silent.accepted) == offered  # no new connection
+            # The node answers again: after the cooldown one read probes it, and it is back.
+            directory["node-a"] = a.live
+            clock.now += 60.0
+            assert reader.lookup_prefix(ns, keys).num_blocks == 3
+            got = reader.batch_get(ns, keys, tokens)
+            assert all(isinstance(g, FetchedBlock) and g.node_id == "node-a" for g in got)
+            assert not breakers.cooling("node-a")
+        finally:
+            reader.close()
 
 
 @pytest.mark.parametrize("reader_node", ["node-a", "node-b"])  # its own host's node, another's
@@ -157,29 +185,20 @@ def test_a_failed_node_replaced_at_a_new_address_is_read_at_once(cluster, reader
     A reader learns the new address when it resolves its own node for a lookup, and from the
     directory's periodic listing for the others."""
     index, _, directory = cluster
-    ns = make_namespace()
-    writer = ClusterStore("node-a", index, directory.__getitem__)
-    puts, tokens = make_puts(ns, 3)
-    writer.batch_put(ns, puts)
-    keys = [p.key for p in puts]
-    silent = SilentListener()
-    live = directory["node-a"]
-    directory["node-a"] = NodeAddress("node-a", silent.address, silent.address)
     breakers = UnreachableNodes(60.0, 60.0, clock=FakeClock())
-    config = ClientConfig(timeout_s=0.5, retries=0, index_view_ttl_s=0)
-    reader = ClusterStore(reader_node, index, lambda: dict(directory), config,
-                          unreachable=breakers)
-    try:
-        got = reader.batch_get(ns, keys, tokens)
-        assert all(isinstance(g, Miss) and g.reason == MISS_NODE_UNAVAILABLE for g in got)
-        assert breakers.cooling("node-a") and reader.lookup_prefix(ns, keys).num_blocks == 0
-        directory["node-a"] = live  # the replacement registers; the clock does not move
-        reader.sole.refresh(if_older=False)  # the next listing (every SoleNode.max_age_s)
-        assert reader.lookup_prefix(ns, keys).num_blocks == 3
-        got = reader.batch_get(ns, keys, tokens)
-        assert all(isinstance(g, FetchedBlock) and g.node_id == "node-a" for g in got), got
-        assert not breakers.cooling("node-a")
-    finally:
-        reader.close()
-        writer.close()
-        silent.close()
+    with node_a_silenced(cluster) as a:
+        reader = ClusterStore(reader_node, index, lambda: dict(directory), CONFIG,
+                              unreachable=breakers)
+        try:
+            got = reader.batch_get(a.ns, a.keys, a.tokens)
+            assert all(isinstance(g, Miss) and g.reason == MISS_NODE_UNAVAILABLE for g in got)
+            assert breakers.cooling("node-a")
+            assert reader.lookup_prefix(a.ns, a.keys).num_blocks == 0
+            directory["node-a"] = a.live  # the replacement registers; the clock does not move
+            reader.sole.refresh(if_older=False)  # the next listing (every SoleNode.max_age_s)
+            assert reader.lookup_prefix(a.ns, a.keys).num_blocks == 3
+            got = reader.batch_get(a.ns, a.keys, a.tokens)
+            assert all(isinstance(g, FetchedBlock) and g.node_id == "node-a" for g in got), got
+            assert not breakers.cooling("node-a")
+        finally:
+            reader.close()
