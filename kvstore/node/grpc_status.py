@@ -58,7 +58,9 @@ _ERROR_BY_CODE: dict[grpc.StatusCode, type[KVStoreError]] = {
     grpc.StatusCode.NOT_FOUND: BlockNotFound,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
     grpc.StatusCode.FAILED_PRECONDITION: LeaseExpired,
-    grpc.StatusCode.DEADLINE_EXCEEDED: RequestCancelled,
+    # No server sends it: the node did not answer before the caller's deadline (a cut link,
+    # a hung process), which callers treat as unreachable, as they do a refused connection.
+    grpc.StatusCode.DEADLINE_EXCEEDED: NodeUnavailable,
     grpc.StatusCode.CANCELLED: RequestCancelled,
 }
 

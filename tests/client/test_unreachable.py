@@ -128,7 +128,9 @@ class SilencedNode:
 
 
 @contextmanager
-def node_a_silenced(nodes) -> Iterator[SilencedNode]:  # noqa: ANN001 - the cluster fixture
+def node_a_silenced(nodes, *, bulk: bool = True  # noqa: ANN001 - the cluster fixture
+                    ) -> Iterator[SilencedNode]:
+    """``bulk``: the silent node offers a bulk channel too (else reads go over gRPC)."""
     index, _, directory = nodes
     ns = make_namespace()
     writer = ClusterStore("node-a", index, directory.__getitem__)
@@ -136,7 +138,8 @@ def node_a_silenced(nodes) -> Iterator[SilencedNode]:  # noqa: ANN001 - the clus
     writer.batch_put(ns, puts)
     silent = SilentListener()
     live = directory["node-a"]
-    directory["node-a"] = NodeAddress("node-a", silent.address, silent.address)
+    directory["node-a"] = NodeAddress("node-a", silent.address,
+                                      silent.address if bulk else None)
     try:
         yield SilencedNode(ns, [p.key for p in puts], tokens, live, silent)
     finally:
@@ -147,11 +150,13 @@ def node_a_silenced(nodes) -> Iterator[SilencedNode]:  # noqa: ANN001 - the clus
 CONFIG = ClientConfig(timeout_s=0.5, retries=0, index_view_ttl_s=0)
 
 
-def test_a_silent_node_costs_one_timeout_then_is_skipped_until_it_answers(cluster) -> None:  # noqa: F811
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "grpc"])
+def test_a_silent_node_costs_one_timeout_then_is_skipped_until_it_answers(cluster, bulk: bool  # noqa: F811
+                                                                          ) -> None:
     index, _, directory = cluster
     clock = FakeClock()
     breakers = UnreachableNodes(60.0, 60.0, clock=clock)
-    with node_a_silenced(cluster) as a:
+    with node_a_silenced(cluster, bulk=bulk) as a:
         ns, keys, tokens = a.ns, a.keys, a.tokens
         reader = ClusterStore("node-b", index, directory.__getitem__, CONFIG,
                               unreachable=breakers)
