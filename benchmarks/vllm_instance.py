@@ -24,8 +24,9 @@ measured faster than another question on the same system.) ``floors_after``: the
 timed after all the prompts instead, each then as cold in the CPU's caches as a load.
 
 ``phases`` (a list of such jobs' prompt settings: ``prompts``, ``salts``, ``together``,
-``bypass``, ``stop_cluster_after``) runs one after another on the same engine, vLLM's own
-prefix cache reset before each phase, so a test pays for one engine start, not one per phase;
+``bypass``, ``stop_cluster_after``, ``reset_connector``: the connector's cache reset too, as
+after a weight update) runs one after another on the same engine, vLLM's own prefix cache
+reset before each phase, so a test pays for one engine start, not one per phase;
 their results are printed as one list, in order.
 
 With ``KVSTORE_TIMELINE`` set, kvstore's connector is ``tools.vllm_timeline``'s timed one and
@@ -77,8 +78,8 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
         llm.generate([TokensPrompt(prompt_token_ids=WARMUP_PROMPT)], first, use_tqdm=False)
     results: list[dict[str, Any]] = []
     for n, phase in enumerate(job.get("phases") or [job]):
-        if n:
-            llm.reset_prefix_cache()  # each phase meets only what the connector holds
+        if n or phase.get("reset_connector"):  # each phase meets only what the connector holds
+            llm.reset_prefix_cache(reset_connector=bool(phase.get("reset_connector")))
         results += _phase(llm, job, phase)
     if job.get("metrics"):
         print("METRICS " + json.dumps(connector_metrics(llm)), flush=True)

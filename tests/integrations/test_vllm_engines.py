@@ -92,15 +92,26 @@ def run_engine(env: dict[str, str], checkpoint: str, prompts: list[list[int]],
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, checkpoint) -> dict[tuple[int, ...], dict]:
+def instance_a(cluster, checkpoint) -> list[dict]:
     """Instance A: every prompt of the module with the connector bypassed (kvstore neither
     read nor written: the reference), then the first prompt of each shared prefix, which
-    publishes its blocks (one of them as tenant ``tenant-a``)."""
-    results = run_engine(cluster, checkpoint, [], [], phases=[
+    publishes its blocks (one of them as tenant ``tenant-a``). Then the first prompt again
+    twice (``AFTER_RESET``): after vLLM reset its caches and the connector's, as it does when
+    weights were updated in place, then after a reset of vLLM's own cache only."""
+    return run_engine(cluster, checkpoint, [], [], phases=[
         {"prompts": ALL, "bypass": True},
         {"prompts": [PROMPTS[0], DAMAGED_PROMPTS[0], SALTED, SYNC_DAMAGED_PROMPTS[0]],
-         "salts": [None, None, "tenant-a", None]}])
-    return {tuple(p): r for p, r in zip(ALL, results[:len(ALL)], strict=True)}
+         "salts": [None, None, "tenant-a", None]},
+        {"prompts": [PROMPTS[0]], "reset_connector": True},
+        {"prompts": [PROMPTS[0]]}])
+
+
+AFTER_RESET = slice(len(ALL) + 4, len(ALL) + 6)
+
+
+@pytest.fixture(scope="module")
+def reference(instance_a) -> dict[tuple[int, ...], dict]:
+    return {tuple(p): r for p, r in zip(ALL, instance_a[:len(ALL)], strict=True)}
 
 
 def assert_same(got: dict, want: dict) -> None:
@@ -140,6 +151,17 @@ def test_a_fresh_instance_reuses_the_shared_prefix_and_generates_the_same(
     full_blocks = (len(PROMPTS[1]) - 1) // BLOCK * BLOCK
     assert got["cached"] == len(SYSTEM) // BLOCK * BLOCK <= full_blocks
     assert_same(got, reference[tuple(PROMPTS[1])])
+
+
+def test_after_vllm_resets_the_connector_no_earlier_block_loads(instance_a, reference):
+    """vLLM resets the connector after updating weights in place (an RL trainer's sync, a
+    pause that clears the caches): the blocks made before must not load into the new
+    weights; those made after do."""
+    after_reset, later = instance_a[AFTER_RESET]
+    assert after_reset["cached"] == 0  # published in the phase before: not found any more
+    assert later["cached"] == (len(PROMPTS[0]) - 1) // BLOCK * BLOCK  # saved after the reset
+    assert_same(after_reset, reference[tuple(PROMPTS[0])])
+    assert_same(later, reference[tuple(PROMPTS[0])])
 
 
 def test_two_salts_never_share_a_block(fresh):

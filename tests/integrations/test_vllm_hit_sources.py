@@ -59,7 +59,7 @@ def test_a_load_is_split_into_this_hosts_memory_its_disk_and_another_node(two_no
     pools["node-a"].demote([p.key for p in puts[2:4]])  # blocks 2 and 3: on node-a's disk
     assert pools["node-a"].flush()
     reader = ClusterStore("node-a", index, directory.__getitem__, FAST)
-    side = SchedulerSide(reader, lambda salt: ns, ns.block_size)
+    side = SchedulerSide(reader, lambda salt, weights="": ns, ns.block_size)
     prompt = [t for block in tokens for t in block] + [7]
     request = SimpleNamespace(request_id="r", prompt_token_ids=prompt, cache_salt=None)
     try:

@@ -11,14 +11,15 @@ import torch
 from kvstore.api import BlockPut
 from kvstore.client.local_store import LocalStore
 from kvstore.errors import NodeUnavailable
+from kvstore.integrations.vllm.namespace import weights_fingerprint
 from kvstore.integrations.vllm.scheduler_side import SchedulerSide
 from kvstore.keys import BlockHasher, Namespace
 
 BS = 4
 
 
-def ns(salt: str) -> Namespace:
-    return Namespace("f" * 64, "float32", BS, 1, 1, 2, salt)
+def ns(salt: str, weights: str = "") -> Namespace:
+    return Namespace(weights_fingerprint("f" * 64, weights), "float32", BS, 1, 1, 2, salt)
 
 
 def publish(store: LocalStore, tokens: list[int], salt: str = "") -> None:
@@ -212,3 +213,32 @@ def test_a_loads_lookup_lease_goes_to_the_worker_and_every_other_one_is_released
     saver = SchedulerSide(store, ns, BS, load=False)  # a save-only instance never leases
     saver.matched_tokens(request("saved", prompt), 0)
     assert store.leased == 4
+
+
+def test_after_a_reset_nothing_made_before_is_found_and_tracked_requests_keep_their_keys(
+        ) -> None:
+    """vLLM resets the connector's cache after updating the weights in place: the old
+    weights' blocks must never load into the new ones, and KV an in-flight request computed
+    under the old weights is saved where only the old weights' requests look."""
+    store = LocalStore()
+    prompt = list(range(100, 114))
+    publish(store, prompt[:8])
+    side = SchedulerSide(store, ns, BS)
+    old = request("old", prompt)
+    assert side.matched_tokens(old, 0) == (8, False)
+    side.reset()
+    assert side.weights and ns("", side.weights).root != ns("").root
+    new = request("new", prompt)
+    assert side.matched_tokens(new, 0) == (0, False)  # the old weights' blocks: not found
+    side.allocated(old, [1, 2, 3, 4], 8)
+    side.allocated(new, [5, 6, 7, 8], 0)
+    plan = side.step_plan(step(new=[("old", [1, 2, 3, 4], 8), ("new", [5, 6, 7, 8], 0)],
+                               scheduled={"old": 6, "new": 14}))
+    [load] = plan.loads
+    assert load.request_id == "old" and load.weights == ""  # its keys: the old namespace's
+    saves = {s.request_id: s for s in plan.saves}
+    assert saves["old"].weights == "" and saves["new"].weights == side.weights
+    want = BlockHasher(ns("", side.weights)).block_keys(prompt)
+    assert saves["new"].keys == [bytes(k) for k in want[:3]]
+    side.reset()
+    assert side.matched_tokens(request("later", prompt), 0) == (0, False)  # a fresh version

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvstore.client.cluster_store import ClusterStore
+from kvstore.integrations.vllm.namespace import weights_fingerprint
 from kvstore.integrations.vllm.plans import BlockTransfer, StepPlan
 from kvstore.integrations.vllm.spare_core import SpareCoreLoader, SpareCoreStep, spare_cores
 from kvstore.integrations.vllm.worker_side import WorkerSide
@@ -23,8 +24,8 @@ from tests.support.arena import corrupt_in_arena
 BS, H, D, L, NB = 4, 2, 8, 3, 8
 
 
-def ns(salt: str) -> Namespace:
-    return Namespace("f" * 64, "float32", BS, L, H, D, salt)
+def ns(salt: str, weights: str = "") -> Namespace:
+    return Namespace(weights_fingerprint("f" * 64, weights), "float32", BS, L, H, D, salt)
 
 
 def caches() -> dict[str, torch.Tensor]:  # the CPU backend's layout, one tensor per layer

@@ -11,6 +11,7 @@ import torch
 
 from kvstore.api import MISS_NOT_FOUND, Miss
 from kvstore.client.local_store import LocalStore
+from kvstore.integrations.vllm.namespace import weights_fingerprint
 from kvstore.integrations.vllm.plans import BlockTransfer, StepPlan
 from kvstore.integrations.vllm.worker_side import WorkerSide, layer_order
 from kvstore.keys import BlockHasher, Namespace
@@ -18,8 +19,8 @@ from kvstore.keys import BlockHasher, Namespace
 BS, H, D, L, NB = 4, 2, 8, 3, 6
 
 
-def ns(salt: str) -> Namespace:
-    return Namespace("e" * 64, "float32", BS, L, H, D, salt)
+def ns(salt: str, weights: str = "") -> Namespace:
+    return Namespace(weights_fingerprint("e" * 64, weights), "float32", BS, L, H, D, salt)
 
 
 def caches() -> dict[str, torch.Tensor]:  # the CPU backend's layout, one tensor per layer
@@ -27,11 +28,11 @@ def caches() -> dict[str, torch.Tensor]:  # the CPU backend's layout, one tensor
 
 
 def transfer(tokens: list[int], block_ids: list[int], rid: str = "r",
-             asynchronous: bool = False) -> BlockTransfer:
-    keys = [bytes(k) for k in BlockHasher(ns("")).block_keys(tokens)]
-    return BlockTransfer(rid, "", keys, [ns("").root, *keys[:-1]],
+             asynchronous: bool = False, weights: str = "") -> BlockTransfer:
+    keys = [bytes(k) for k in BlockHasher(ns("", weights)).block_keys(tokens)]
+    return BlockTransfer(rid, "", keys, [ns("", weights).root, *keys[:-1]],
                          [tokens[i * BS:(i + 1) * BS] for i in range(len(keys))], block_ids,
-                         asynchronous)
+                         asynchronous, weights=weights)
 
 
 def forward(worker: WorkerSide, layers: int = L) -> None:
@@ -39,6 +40,15 @@ def forward(worker: WorkerSide, layers: int = L) -> None:
     for i in range(layers):
         worker.wait_for_layer(f"model.layers.{i}.self_attn.attn")
     worker.finish_loads()
+
+
+def assert_loaded_blocks_4_1_into_0_5(reader: WorkerSide, src: dict[str, torch.Tensor],
+                                     dst: dict[str, torch.Tensor]) -> None:
+    """Run the forward of a load of source blocks 4 and 1 into blocks 0 and 5: bitwise."""
+    forward(reader)
+    assert reader.load_errors() == set()
+    for name in src:
+        assert torch.equal(dst[name][0], src[name][4]) and torch.equal(dst[name][5], src[name][1])
 
 
 def test_layers_are_ordered_by_index_not_by_name() -> None:
@@ -61,10 +71,7 @@ def test_saved_blocks_load_bitwise_into_another_instance(layerwise: bool | None)
     writer.flush()
     assert writer.saved_blocks == 2
     reader.load(StepPlan(loads=[transfer(tokens, [0, 5])]))
-    forward(reader)
-    assert reader.load_errors() == set()
-    for name in src:
-        assert torch.equal(dst[name][0], src[name][4]) and torch.equal(dst[name][5], src[name][1])
+    assert_loaded_blocks_4_1_into_0_5(reader, src, dst)
     writer.close()
     reader.close()
 
@@ -266,5 +273,29 @@ def test_a_step_that_began_without_before_step_drops_waiting_saves_and_gathers_a
     forward(reader)
     assert reader.load_errors() == set()
     assert all(dst[name][4].abs().sum() > 0 for name in dst)  # not the zeros written after
+    writer.close()
+    reader.close()
+
+
+def test_each_transfer_is_saved_and_loaded_under_its_own_weights_version() -> None:
+    """After vLLM reset the cache (weights updated in place) the plans name the new version:
+    the worker saves there, and a load under the old version finds none of it."""
+    store = LocalStore()
+    src, dst = caches(), caches()
+    writer, reader = WorkerSide(store, ns, H, D), WorkerSide(store, ns, H, D)
+    writer.register(src)
+    reader.register(dst)
+    tokens = list(range(8))
+    writer.save(StepPlan(saves=[transfer(tokens, [4, 1], weights="v2")]))
+    writer.flush()
+    assert store.lookup_prefix(ns("", "v2"), transfer(tokens, [], weights="v2").keys
+                               ).num_blocks == 2
+    before = {name: t.clone() for name, t in dst.items()}
+    reader.load(StepPlan(loads=[transfer(tokens, [0, 5])]))  # the old version's keys
+    forward(reader)
+    assert reader.load_errors() == {0, 5}
+    assert all(torch.equal(dst[name], before[name]) for name in dst)  # nothing written
+    reader.load(StepPlan(loads=[transfer(tokens, [0, 5], weights="v2")]))
+    assert_loaded_blocks_4_1_into_0_5(reader, src, dst)
     writer.close()
     reader.close()

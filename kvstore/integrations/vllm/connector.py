@@ -134,7 +134,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         tenants = tenancy(extra, config.client.auth_token,
                           parse_data_key(config.security.data_key))
         self.namespace_of = functools.lru_cache(maxsize=1024)(
-            lambda salt: namespace(geometry, fingerprint, tag, salt, **tenants.keys()))
+            lambda salt, weights="": namespace(geometry, fingerprint, tag, salt,
+                                               **tenants.keys(), weights=weights))
         self.store = connect(config)
         save, load = transfer.is_kv_producer, transfer.is_kv_consumer
         self.scheduler_side: SchedulerSide | None = None
@@ -187,6 +188,16 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker().load_errors() if self.worker_side is not None else set()
+
+    def reset_cache(self) -> bool:
+        """vLLM resets its caches (``reset_prefix_cache(reset_connector=True)``, a pause that
+        clears them), as it does after weights were updated in place: kvstore's blocks of the
+        old weights must not load into the new ones, so new requests use a fresh weights
+        version (``SchedulerSide.reset``). The blocks stay for instances still on the old
+        weights, and age out as any other."""
+        if self.scheduler_side is not None:
+            self.scheduler_side.reset()
+        return True
 
     def shutdown(self) -> None:
         if self.worker_side is not None:

@@ -99,11 +99,26 @@ def numerics(device: torch.device, vllm_version: str, attention_backend: str) ->
             f"{attention_backend}")
 
 
+def weights_fingerprint(fingerprint: str, weights: str) -> str:
+    """The checkpoint's fingerprint, or, after vLLM reset the connector's cache (it does so
+    when weights are updated in place, as RL trainers do between rollouts), one of its own.
+
+    The checkpoint's files no longer describe such weights, and nothing the connector sees
+    does, so each reset draws a fresh version: the instance then shares blocks with no one, not
+    even its own earlier self, rather than ever reading KV of other weights."""
+    if not weights:
+        return fingerprint
+    return hashlib.sha256(f"{fingerprint}|weights reset {weights}".encode()).hexdigest()
+
+
 def namespace(geometry: ModelGeometry, fingerprint: str, tag: str, cache_salt: str | None,
-              data_key: bytes | None = None, tenant_key: bytes | None = None) -> Namespace:
+              data_key: bytes | None = None, tenant_key: bytes | None = None,
+              weights: str = "") -> Namespace:
     """The namespace of one request of an instance (``cache_salt``: its tenant), keyed on a
     secure cluster with the cluster's data key or that tenant's own key (``tenancy``), as the
-    store nodes rebuild it."""
-    return Namespace(fingerprint, geometry.dtype, geometry.block_size, geometry.num_layers,
-                     geometry.num_kv_heads, geometry.head_dim, cache_salt or "", numerics=tag,
-                     data_key=data_key, tenant_key=tenant_key)
+    store nodes rebuild it. ``weights``: the instance's weights version since its cache was
+    last reset ("" while they are the checkpoint's; ``weights_fingerprint``)."""
+    return Namespace(weights_fingerprint(fingerprint, weights), geometry.dtype,
+                     geometry.block_size, geometry.num_layers, geometry.num_kv_heads,
+                     geometry.head_dim, cache_salt or "", numerics=tag, data_key=data_key,
+                     tenant_key=tenant_key)

@@ -2,9 +2,10 @@
 
 Plain data that crosses from vLLM's scheduler process to its workers (pickled with the
 connector metadata). A plan names kvstore blocks by key and vLLM blocks by id; the namespace
-travels as its tenant (``cache_salt``): each side builds the same namespace from its own
-``ModelGeometry``. A load may carry the lease its lookup took on this host's store node, so
-the worker reads under it instead of asking for one (``kvstore.client.leased_reads``).
+travels as its tenant (``cache_salt``) and weights version: each side builds the same
+namespace from its own ``ModelGeometry``. A load may carry the lease its lookup took on this
+host's store node, so the worker reads under it instead of asking for one
+(``kvstore.client.leased_reads``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class BlockTransfer:
     asynchronous: bool = False  # a load the request waits for outside the forward (get_finished)
     holders: list[list[str]] | None = None  # a load's holders, as the scheduler's lookup said
     lease: HeldLease | None = None  # a load's lease, taken by the scheduler's lookup
+    weights: str = ""  # the weights version its keys were made under (namespace.weights_...)
 
 
 @dataclass

@@ -24,6 +24,7 @@ reference run of ``kvstore serve``'s ``bypass_cache`` through the same engine.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,7 @@ class _Tracked:
     """A request the scheduler side follows until it finishes."""
 
     salt: str
+    weights: str  # the instance's weights version when its keys were made
     tokens: list[int]
     keys: list[bytes]
     parents: list[bytes]
@@ -74,8 +76,18 @@ class SchedulerSide:
         self.load_mode = load_mode
         self.salt_for = salt_for or (lambda salt: salt or "")
         self._uncached_salts: set[str] = set()
+        self.weights = ""  # the weights version: "" until vLLM resets the cache (reset)
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: list[str] = []
+
+    def reset(self) -> None:
+        """vLLM reset its caches, as it does after updating the weights in place: from now
+        on look up and save under a fresh weights version (``namespace.weights_fingerprint``).
+        Requests already tracked keep the version their keys were made under, so KV computed
+        before the reset is saved where only the old weights' requests find it."""
+        self.weights = secrets.token_hex(8)
+        log.info("kvstore: vLLM reset its caches (weights updated in place?): new requests "
+                 "use weights version %s and share no block made before", self.weights)
 
     def warm_up(self) -> None:
         """One lookup now, so the first request does not pay for the index's connection."""
@@ -112,10 +124,10 @@ class SchedulerSide:
                 self._uncached_salts.add(request.cache_salt)
                 log.warning("cache_salt %r is not this instance's tenant: its requests are "
                             "served without kvstore", request.cache_salt)
-            tracked = _Tracked("", tokens, [], [], hit_blocks=0, saved_blocks=0)
+            tracked = _Tracked("", self.weights, tokens, [], [], hit_blocks=0, saved_blocks=0)
             self._requests[request.request_id] = tracked
             return tracked
-        namespace: Namespace = self.namespace_of(salt)
+        namespace: Namespace = self.namespace_of(salt, self.weights)
         keys = [bytes(k) for k in BlockHasher(namespace).block_keys(tokens)]
         parents = [namespace.root, *keys[:-1]] if keys else []
         usable = (len(tokens) - 1) // self.block_size  # one token is always computed
@@ -137,7 +149,7 @@ class SchedulerSide:
                 holders = found.holders[:hit]
             except Exception as exc:  # the store's, Ray's or gRPC's: a miss, never a failure
                 log.warning("kvstore lookup failed, computing the prompt: %s", exc)
-        tracked = _Tracked(salt, tokens, keys, parents, hit_blocks=hit,
+        tracked = _Tracked(salt, self.weights, tokens, keys, parents, hit_blocks=hit,
                            saved_blocks=max(held, hit), holders=holders, lease=lease)
         if hit <= local:
             self._release(tracked)  # nothing to load: no read will use it
@@ -222,7 +234,8 @@ class SchedulerSide:
         bs = self.block_size
         return BlockTransfer(
             rid, t.salt, t.keys[start:end], t.parents[start:end],
-            [t.tokens[i * bs:(i + 1) * bs] for i in range(start, end)], t.block_ids[start:end])
+            [t.tokens[i * bs:(i + 1) * bs] for i in range(start, end)], t.block_ids[start:end],
+            weights=t.weights)
 
     def _load(self, rid: str, t: _Tracked) -> BlockTransfer:
         start, end = t.local_blocks, t.local_blocks + t.load_blocks

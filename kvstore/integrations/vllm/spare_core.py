@@ -130,7 +130,7 @@ class SpareCoreLoader:
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
                                   initializer=pin_thread, initargs=(self.cores,))
 
-    def start(self, store: Any, namespace_of: Callable[[str], Any],
+    def start(self, store: Any, namespace_of: Callable[..., Any],
               layers: Sequence[LayerCache], transfers: list[BlockTransfer],
               fetch: Callable[[list[BlockTransfer]], list[Any]]) -> SpareCoreStep:
         """Begin a step's loads; ``fetch(transfers)``: the worker's fetch of those it cannot
@@ -186,7 +186,7 @@ class SpareCoreLoader:
         self._pool.shutdown(wait=True)
 
 
-def _in_place(store: Any, namespace_of: Callable[[str], Any], first: LayerCache,
+def _in_place(store: Any, namespace_of: Callable[..., Any], first: LayerCache,
               transfers: list[BlockTransfer], loads: list[_Load]) -> list[BlockTransfer]:
     """Adds to ``loads`` the transfers whose every block the scheduler's lease pins in this
     host's arena, as writes from there; returns the others, to fetch."""
@@ -195,7 +195,7 @@ def _in_place(store: Any, namespace_of: Callable[[str], Any], first: LayerCache,
     for t in transfers:
         arena = None
         if t.lease is not None and in_arena is not None:
-            arena = in_arena(namespace_of(t.cache_salt), t.keys, t.tokens, t.lease)
+            arena = in_arena(namespace_of(t.cache_salt, t.weights), t.keys, t.tokens, t.lease)
         if arena is None or len(arena) < len(t.keys):
             if arena is not None:  # part of it elsewhere: read it all the usual way
                 arena.close()

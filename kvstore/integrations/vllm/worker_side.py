@@ -98,7 +98,7 @@ SAVE_DEFER_S = 0.005
 class WorkerSide:
     """Executes step plans against one instance's caches and a kvstore store."""
 
-    def __init__(self, store: Any, namespace_of: Callable[[str], Namespace],
+    def __init__(self, store: Any, namespace_of: Callable[..., Namespace],
                  num_kv_heads: int, head_dim: int, *, layerwise: bool | None = None) -> None:
         """``layerwise``: write synchronous loads layer by layer under the forward (True) or
         whole before it (False); None: by the caches' device (``register``): layer by layer
@@ -290,7 +290,7 @@ class WorkerSide:
         return buffer
 
     def _fetch(self, t: BlockTransfer, out: torch.Tensor | None) -> Fetched:
-        namespace = self.namespace_of(t.cache_salt)
+        namespace = self.namespace_of(t.cache_salt, t.weights)
         view = getattr(self.store, "view", None)  # ClusterStore's IndexView
         if t.holders is not None and view is not None:
             view.remember(t.keys, t.holders)  # the scheduler's lookup: no second index call
@@ -389,7 +389,7 @@ class WorkerSide:
             payloads = pending.gather(self.layers)  # at once if before_step already did
             puts = [BlockPut(k, p, tok, payloads[i]) for i, (k, p, tok)
                     in enumerate(zip(t.keys, t.parents, t.tokens, strict=True))]
-            self.store.batch_put(self.namespace_of(t.cache_salt), puts)
+            self.store.batch_put(self.namespace_of(t.cache_salt, t.weights), puts)
             self._count("saved", len(puts))
         except Exception as exc:  # a cache that misses later, never a failed request
             if pending.dropped:
