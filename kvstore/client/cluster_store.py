@@ -146,7 +146,7 @@ class ClusterStore:
         which then takes none. No lease where the node cannot be asked so, or holds none."""
         keys = [bytes(k) for k in keys]
         client = None if self._no_local_calls or self.unreachable.cooling(self.local_node_id) \
-            else self._client_or_none(self.local_node_id)
+            else self.clients.get_or_none(self.local_node_id)
         if client is None or not (client.same_node and client.has_bulk):
             return self.lookup_prefix(namespace, keys), None
         granted = time.monotonic()
@@ -171,18 +171,15 @@ class ClusterStore:
                      token_ids: Sequence[TokenIds], held: HeldLease) -> ArenaBlocks | None:
         """The leading blocks ``held`` pins in this host's arena, for use in place
         (``kvstore.client.arena_blocks``); None where they must be read the usual way."""
-        client = self._client_or_none(held.node_id)
+        client = self.clients.get_or_none(held.node_id)
         return None if client is None else arena_blocks(client, namespace, keys, token_ids,
                                                          held)
 
     def release_lease(self, lease: HeldLease) -> None:
         """End a lease from ``lease_prefix`` that no read will use (without waiting)."""
-        client = self._client_or_none(lease.node_id)
+        client = self.clients.get_or_none(lease.node_id)
         if client is not None:
             client.release_nowait(lease.info.lease_id)
-
-    def _client_or_none(self, node: str) -> StoreNodeClient | None:
-        return self.clients.get_or_none(node)
 
     def batch_get(self, namespace: Namespace, keys: Sequence[bytes],
                   token_ids: Sequence[TokenIds], *, device: torch.device | str | None = None,
@@ -249,7 +246,7 @@ class ClusterStore:
         """Start mapping this host's node's arena into this process in the background, so a
         fresh reader's first reads take no page faults (``ShmReader.populate``); None where
         there is no such node or arena."""
-        client = self._client_or_none(self.local_node_id)
+        client = self.clients.get_or_none(self.local_node_id)
         try:
             return None if client is None else client.populate_arena(cores)
         except OSError as exc:  # the arena cannot be mapped: reads go the usual way
@@ -359,7 +356,7 @@ class ClusterStore:
             client.report_reads(tally)
         except (KVStoreError, OSError) as exc:
             if isinstance(exc, NodeUnavailable):
-                self._drop_client(self.node_id)
+                self.clients.drop(self.node_id)
             reader_metrics.restore_pending(tally)
             return False
         return True
@@ -415,9 +412,6 @@ class ClusterStore:
     def _client(self, node: str) -> StoreNodeClient:
         return self.clients.get(node)
 
-    def _drop_client(self, node: str) -> None:
-        self.clients.drop(node)
-
     def _fetch_group(self, namespace: Namespace, node: str, idxs: list[int], keys: list[bytes],
                      token_ids: Sequence[TokenIds], out: torch.Tensor | DeviceRows,
                      results: list[str | None], last_miss: dict[int, Miss],
@@ -442,7 +436,7 @@ class ClusterStore:
             return
         except (KVStoreError, OSError, ValueError) as exc:
             if isinstance(exc, NodeUnavailable):
-                self._drop_client(node)  # reconnect (or re-resolve) next time
+                self.clients.drop(node)  # reconnect (or re-resolve) next time
                 self.unreachable.failed(node, exc,
                                         address=None if client is None else client.address)
             self.view.forget([keys[i] for i in idxs])

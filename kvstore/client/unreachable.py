@@ -71,9 +71,8 @@ class UnreachableNodes:
             cooldown = self.cooldown_s if old is None else min(old.cooldown_s * 2,
                                                                self.max_cooldown_s)
             failures = 1 if old is None else old.failures + 1
-            self._suspects[node] = _Suspect(failures, cooldown, now + cooldown,
-                                            address if address is not None
-                                            else None if old is None else old.address)
+            known = address or (old.address if old is not None else None)
+            self._suspects[node] = _Suspect(failures, cooldown, now + cooldown, known)
         log.warning("store node %s did not answer (%s): reads skip it for %.0f s "
                     "(failure %d in a row)", node[:12], reason, cooldown, failures)
 
