@@ -14,15 +14,14 @@ Skips where vLLM is not installed, unless ``KVSTORE_REQUIRE_VLLM=1``.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
+from tests.support import vllm_engines
 from tests.support.checkpoint import build_checkpoint
+from tests.support.vllm_engines import assert_same, kvstore_cluster, support_script
 
 if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
@@ -30,7 +29,6 @@ if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
 # A test's setup may start the module's engines (~20-40 s each on 2 busy cores).
 pytestmark = pytest.mark.timeout(1200)
 
-ROOT = Path(__file__).resolve().parents[2]
 BLOCK = 32
 SYSTEM = [(i * 37) % 350 + 5 for i in range(300)]  # 9 full blocks and 12 tokens
 QUESTIONS = [[11, 12, 13, 14], [21, 22, 23, 24, 25, 26]]
@@ -50,18 +48,9 @@ SYNC_RESULT, LATE_RESULTS = 4, slice(5, None)
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> dict[str, str]:
-    state = tmp_path_factory.mktemp("state")
-    env = {**os.environ, "KVSTORE_STATE_DIR": str(state), "RAY_AUTH_MODE": "disabled",
-           "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "PYTHONPATH": str(ROOT)}
-    kvstore = [sys.executable, "-m", "kvstore.cli"]
-    subprocess.run([*kvstore, "start", "--capacity", "256MiB"], env=env, check=True,
-                   capture_output=True, timeout=180)
-    try:
+def cluster(tmp_path_factory) -> Iterator[dict[str, str]]:
+    with kvstore_cluster(tmp_path_factory.mktemp("state")) as env:
         yield env
-    finally:
-        subprocess.run([*kvstore, "stop"], env=env, capture_output=True, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -72,23 +61,10 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 def run_engine(env: dict[str, str], checkpoint: str, prompts: list[list[int]],
-               salts: list[str | None], role: str | None = "kv_both",
-               logs: list[str] | None = None, metrics: dict[str, float] | None = None,
-               **extra: object) -> list[dict]:
-    """One fresh instance's results per prompt; its stderr is appended to ``logs``; with
-    ``metrics``, vLLM's statistics are on and kvstore's counters on them land there."""
-    job = {"model": checkpoint, "block_size": BLOCK, "max_tokens": 8, "prompts": prompts,
-           "salts": salts, "role": role, "metrics": metrics is not None, **extra}
-    done = subprocess.run([sys.executable, "-m", "benchmarks.vllm_instance", json.dumps(job)],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULTS ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    if logs is not None:
-        logs.append(done.stderr)
-    if metrics is not None:
-        [line] = [line for line in done.stdout.splitlines() if line.startswith("METRICS ")]
-        metrics.update(json.loads(line.removeprefix("METRICS ")))
-    return json.loads(lines[-1].removeprefix("RESULTS "))
+               salts: list[str | None], role: str | None = "kv_both", **extra: object
+               ) -> list[dict]:
+    return vllm_engines.run_engine(env, checkpoint, prompts, salts, role, block_size=BLOCK,
+                                   **extra)
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +90,6 @@ def reference(instance_a) -> dict[tuple[int, ...], dict]:
     return {tuple(p): r for p, r in zip(ALL, instance_a[:len(ALL)], strict=True)}
 
 
-def assert_same(got: dict, want: dict) -> None:
-    assert got["tokens"] == want["tokens"]
-    diff = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True))
-    assert diff < 1e-4, diff
-
-
 @pytest.fixture(scope="module")
 def fresh(cluster, checkpoint, reference) -> tuple[list[dict], str, dict[str, float]]:
     """A fresh instance B, after block 3 of the damaged prefix and block 2 of the other one
@@ -132,9 +102,7 @@ def fresh(cluster, checkpoint, reference) -> tuple[list[dict], str, dict[str, fl
     its vLLM metrics."""
     jobs = [{"checkpoint": checkpoint, "block_size": BLOCK, "tokens": tokens, "block": block}
             for tokens, block in ((DAMAGED, 3), (SYNC_DAMAGED, 2))]
-    done = subprocess.run([sys.executable, "-m", "tests.support.vllm_blocks", json.dumps(jobs)],
-                          env=cluster, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.count("CORRUPTED") == 2, done.stderr[-3000:]
+    assert support_script(cluster, "vllm_blocks", jobs).count("CORRUPTED") == 2
     logs: list[str] = []
     metrics: dict[str, float] = {}
     results = run_engine(cluster, checkpoint, [], [], logs=logs, metrics=metrics, phases=[
