@@ -85,3 +85,40 @@ def test_the_fingerprint_is_remembered_until_a_file_changes(checkpoints, tmp_pat
     weights = next(own.glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes())  # same bytes, but rewritten: read again
     assert checkpoint_fingerprint(own, cache) == first
+
+
+def test_tensor_parallel_ranks_hold_kv_head_slices_of_their_own() -> None:
+    """Two KV heads on two ranks: a slice each, each saved by its rank; on four ranks each
+    head is held by two, and the first of them saves it."""
+    two = ModelGeometry("ck", "float32", 32, 2, 1, 32, tensor_parallel_size=2, total_kv_heads=2)
+    assert two.num_shards == 2 and [two.shard_of_rank(r) for r in range(2)] == [0, 1]
+    assert [two.saves_on_rank(r) for r in range(2)] == [True, True]
+    assert [two.shard_label(s) for s in range(2)] == ["tp 2: kv heads 0-0 of 2",
+                                                       "tp 2: kv heads 1-1 of 2"]
+    four = ModelGeometry("ck", "float32", 32, 2, 1, 32, tensor_parallel_size=4, total_kv_heads=2)
+    assert four.num_shards == 2 and [four.shard_of_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [four.saves_on_rank(r) for r in range(4)] == [True, False, True, False]
+    wide = ModelGeometry("ck", "float32", 32, 2, 4, 32, tensor_parallel_size=2, total_kv_heads=8)
+    assert wide.shard_label(1) == "tp 2: kv heads 4-7 of 8"
+    with pytest.raises(ConfigError, match="rank 2 is not one of 2"):
+        two.shard_of_rank(2)
+    with pytest.raises(ConfigError, match="shard 2 is not one of 2"):
+        two.shard_label(2)
+
+
+def test_each_slice_and_each_parallel_size_has_its_own_keys() -> None:
+    """A rank loads only what a rank holding the same heads under the same parallel size
+    saved; one rank alone keeps the namespace it always had."""
+    tag = numerics(torch.device("cpu"), "0.32.0", "CPU_ATTN")
+    tokens = list(range(64))
+
+    def keys(geometry: ModelGeometry, shard: int = 0) -> list[bytes]:
+        return BlockHasher(namespace(geometry, "f" * 64, tag, None, shard=shard)
+                           ).block_keys(tokens)
+
+    one = ModelGeometry("ck", "float32", 32, 2, 1, 32)
+    two = ModelGeometry("ck", "float32", 32, 2, 1, 32, tensor_parallel_size=2, total_kv_heads=2)
+    four = ModelGeometry("ck", "float32", 32, 2, 1, 32, tensor_parallel_size=4, total_kv_heads=2)
+    assert keys(two, 0) != keys(two, 1)
+    assert keys(one) != keys(two, 0) and keys(four, 0) != keys(two, 0)
+    assert namespace(one, "f" * 64, tag, None).numerics == tag  # unchanged without slices

@@ -242,3 +242,55 @@ def test_after_a_reset_nothing_made_before_is_found_and_tracked_requests_keep_th
     assert saves["new"].keys == [bytes(k) for k in want[:3]]
     side.reset()
     assert side.matched_tokens(request("later", prompt), 0) == (0, False)  # a fresh version
+
+
+def sliced(salt: str, weights: str = "", shard: int = 0) -> Namespace:
+    """The namespace of KV-head slice ``shard`` of a two-rank instance."""
+    return Namespace(weights_fingerprint("f" * 64, weights), "float32", BS, 1, 1, 2, salt,
+                     numerics=f"tp 2: kv heads {shard}-{shard} of 2")
+
+
+def publish_slice(store: LocalStore, tokens: list[int], shard: int) -> list[bytes]:
+    space = sliced("", shard=shard)
+    keys = [bytes(k) for k in BlockHasher(space).block_keys(tokens)]
+    parents = [space.root, *keys[:-1]]
+    store.batch_put(space, [BlockPut(k, p, tokens[i * BS:(i + 1) * BS],
+                                     torch.zeros(1, 2, BS, 1, 2))
+                            for i, (k, p) in enumerate(zip(keys, parents, strict=True))])
+    return keys
+
+
+def test_under_tensor_parallelism_a_prefix_is_a_hit_as_far_as_every_slice_holds_it() -> None:
+    """Each rank's KV-head slice has its own keys and lease; the load reaches the last block
+    that both slices hold, each slice's transfer goes to the ranks holding it, and every
+    slice saves the rest."""
+    store = LeasingStore(LocalStore())
+    prompt = list(range(100, 118))  # 4 full blocks and 2 tokens
+    first = publish_slice(store.store, prompt[:12], 0)  # slice 0 holds 3 blocks
+    second = publish_slice(store.store, prompt[:8], 1)  # slice 1 only 2
+    side = SchedulerSide(store, sliced, BS, shards=2)
+    req = request("r", prompt)
+    assert side.matched_tokens(req, 0) == (8, False)
+    side.allocated(req, [10, 11, 12, 13, 14], 8)
+    plan = side.step_plan(step(new=[("r", [10, 11, 12, 13, 14], 8)], scheduled={"r": 10}))
+    loads = {t.shard: t for t in plan.loads}
+    assert loads[0].keys == first[:2] and loads[1].keys == second
+    assert loads[0].block_ids == loads[1].block_ids == [10, 11]
+    assert {loads[0].lease, loads[1].lease} == {"lease-1", "lease-2"}  # one per slice
+    saves = {t.shard: t for t in plan.saves}
+    assert [len(saves[s].keys) for s in (0, 1)] == [2, 2]  # blocks 2 and 3, in each slice
+    assert saves[1].parents[0] == second[-1] and saves[0].parents[0] == first[1]
+    mine = plan.for_shard(1)
+    assert mine.loads == [loads[1]] and mine.saves == [saves[1]]
+    assert plan.for_shard(1, saves=False).saves == []  # a rank another rank saves for
+    assert store.released == []
+
+
+def test_under_tensor_parallelism_a_slice_that_lacks_the_prefix_is_a_miss() -> None:
+    """Slice 0 holds the prefix, slice 1 nothing: no load, and slice 0's lease is released."""
+    store = LeasingStore(LocalStore())
+    prompt = list(range(200, 214))
+    publish_slice(store.store, prompt[:8], 0)
+    side = SchedulerSide(store, sliced, BS, shards=2)
+    assert side.matched_tokens(request("r", prompt), 0) == (0, False)
+    assert store.leased == 2 and store.released == ["lease-1"]

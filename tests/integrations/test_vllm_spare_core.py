@@ -14,7 +14,12 @@ import torch
 from kvstore.client.cluster_store import ClusterStore
 from kvstore.integrations.vllm.namespace import weights_fingerprint
 from kvstore.integrations.vllm.plans import BlockTransfer, StepPlan
-from kvstore.integrations.vllm.spare_core import SpareCoreLoader, SpareCoreStep, spare_cores
+from kvstore.integrations.vllm.spare_core import (
+    SpareCoreLoader,
+    SpareCoreStep,
+    forward_cores,
+    spare_cores,
+)
 from kvstore.integrations.vllm.worker_side import WorkerSide
 from kvstore.keys import BlockHasher, Namespace
 from tests.client.test_cluster_store import FAST, cluster  # noqa: F401 - fixture
@@ -83,6 +88,23 @@ def test_spare_cores_are_those_the_calling_thread_may_not_use() -> None:
         os.sched_setaffinity(0, mine)
     assert mine - any_core() <= spare and not spare & any_core()
     assert not spare_cores() & mine  # a forward free to run anywhere leaves nothing spare
+
+
+def test_other_ranks_forward_cores_are_never_spare() -> None:
+    """Under tensor parallelism each rank's forward is bound to its own cores: another
+    rank's are no loader's; where vLLM binds ranks itself, which cores are whose is unknown,
+    and no core is spare."""
+    assert forward_cores(2, "0-3|4,6-7") == frozenset({0, 1, 2, 3, 4, 6, 7})
+    assert forward_cores(1, "0") == frozenset({0})
+    assert forward_cores(1, "auto") == frozenset() and forward_cores(2, "auto") is None
+    assert forward_cores(2, "nobind") is None
+    mine = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, any_core())
+        others = frozenset((mine | set(range(os.cpu_count() or 1))) - any_core())
+        assert spare_cores(others) == set() and spare_cores(None) == set()
+    finally:
+        os.sched_setaffinity(0, mine)
 
 
 def test_leased_blocks_load_from_the_arena_bitwise_without_a_fetch(cluster) -> None:

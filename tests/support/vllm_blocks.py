@@ -3,7 +3,9 @@ a faulty disk or a hostile process on the node would: ``python -m tests.support.
 JOBS`` with a JSON list of jobs ``{"checkpoint", "block_size", "tokens", "block", "salt"}``
 (the instance ran with ``dtype="float32"``, as ``benchmarks.vllm_instance`` runs them), done in
 one process and one connection (a process start costs seconds); one ``CORRUPTED <key>`` line
-each.
+each. A job may name a tensor-parallel instance's KV-head slice (``tensor_parallel_size``,
+``shard``). A job with ``"held": true`` damages nothing and prints ``HELD <n>``: how many of
+the prompt's blocks the cluster holds in that namespace.
 
 The block is found the way the connector finds it: the namespace kvstore makes for a vLLM CPU
 instance of that checkpoint, the prompt's chained key, its holder in the index; one byte of its
@@ -24,8 +26,9 @@ from tests.support.arena import flip_last_byte
 
 
 def cpu_namespace(checkpoint: str, block_size: int, salt: str | None,
-                  dtype: str = "float32") -> Any:
-    """The namespace ``KVStoreConnector`` makes on a vLLM CPU instance of ``checkpoint``."""
+                  dtype: str = "float32", tensor_parallel_size: int = 1, shard: int = 0) -> Any:
+    """The namespace ``KVStoreConnector`` makes on a vLLM CPU instance of ``checkpoint`` (the
+    KV-head slice ``shard``, on one of ``tensor_parallel_size`` ranks)."""
     import vllm
 
     from kvstore.integrations.vllm.namespace import (
@@ -40,15 +43,16 @@ def cpu_namespace(checkpoint: str, block_size: int, salt: str | None,
     geometry = ModelGeometry(
         checkpoint=checkpoint, dtype=dtype, block_size=block_size,
         num_layers=cfg["num_hidden_layers"],
-        num_kv_heads=cfg["num_key_value_heads"],
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+        num_kv_heads=max(1, cfg["num_key_value_heads"] // tensor_parallel_size),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        tensor_parallel_size=tensor_parallel_size, total_kv_heads=cfg["num_key_value_heads"])
     tag = numerics(torch.device("cpu"), vllm.__version__, "CPU_ATTN")
-    return namespace(geometry, checkpoint_fingerprint(checkpoint), tag, salt)
+    return namespace(geometry, checkpoint_fingerprint(checkpoint), tag, salt, shard=shard)
 
 
-def corrupt(jobs: list[dict[str, Any]]) -> list[str]:
+def run(jobs: list[dict[str, Any]]) -> list[str]:
     """Flip the last payload byte of block ``job["block"]`` of ``job["tokens"]``, for each job;
-    their keys."""
+    their output lines (``held`` jobs: how many blocks are held)."""
     from kvstore.cluster.lifecycle import cluster_config, connect
     from kvstore.config import KVStoreConfig
     from kvstore.keys import BlockHasher
@@ -57,7 +61,13 @@ def corrupt(jobs: list[dict[str, Any]]) -> list[str]:
     keys = []
     try:
         for job in jobs:
-            ns = cpu_namespace(job["checkpoint"], job["block_size"], job.get("salt"))
+            ns = cpu_namespace(job["checkpoint"], job["block_size"], job.get("salt"),
+                               tensor_parallel_size=job.get("tensor_parallel_size", 1),
+                               shard=job.get("shard", 0))
+            if job.get("held"):
+                found = store.lookup_prefix(ns, BlockHasher(ns).block_keys(job["tokens"]))
+                keys.append(f"HELD {found.num_blocks}")
+                continue
             key = bytes(BlockHasher(ns).block_keys(job["tokens"])[job["block"]])
             [holders] = store.view.holders([key])
             if not holders:
@@ -67,12 +77,12 @@ def corrupt(jobs: list[dict[str, Any]]) -> list[str]:
             [loc] = lease.locations
             flip_last_byte(lease.shm_path, loc.offset, loc.nbytes)
             client.release(lease.lease_id)
-            keys.append(key.hex())
+            keys.append(f"CORRUPTED {key.hex()}")
     finally:
         store.close()
     return keys
 
 
 if __name__ == "__main__":
-    for corrupted in corrupt(json.loads(sys.argv[1])):
-        print("CORRUPTED " + corrupted, flush=True)
+    for line in run(json.loads(sys.argv[1])):
+        print(line, flush=True)

@@ -10,9 +10,10 @@ naming ``kvstore start``, when there is none. ``kv_role``: ``kv_producer`` saves
 synchronous loads are written layer by layer under the forward; false: whole before it;
 default: layer by layer on a GPU only, ``worker_side.WorkerSide``), and, for an
 instance run by one tenant, ``credential`` and ``tenant_key`` (``tenancy``). A block kvstore
-cannot load is recomputed (``recompute_load_failures``), never a failed request. The scheduler
-side is ``scheduler_side.SchedulerSide``, the worker side ``worker_side.WorkerSide``; this class
-only maps vLLM's calls onto them.
+cannot load is recomputed (``recompute_load_failures``), never a failed request. Under tensor
+parallelism each worker executes its own KV-head slice's part of each plan (``shard``). The
+scheduler side is ``scheduler_side.SchedulerSide``, the worker side ``worker_side.WorkerSide``;
+this class only maps vLLM's calls onto them.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from kvstore.integrations.vllm.namespace import (
 )
 from kvstore.integrations.vllm.plans import StepPlan
 from kvstore.integrations.vllm.scheduler_side import SchedulerSide
+from kvstore.integrations.vllm.spare_core import forward_cores
 from kvstore.integrations.vllm.tenancy import tenancy
 from kvstore.integrations.vllm.transfer_stats import KVStorePromMetrics, KVStoreTransferStats
 from kvstore.integrations.vllm.worker_side import WorkerSide
@@ -71,18 +73,35 @@ class KVStoreMetadata(KVConnectorMetadata):
 
 
 def geometry_of(config: VllmConfig) -> ModelGeometry:
-    """The instance's KV geometry; configurations whose KV kvstore cannot hold are refused."""
+    """The instance's KV geometry (one rank's, under tensor parallelism); configurations
+    whose KV kvstore cannot hold are refused."""
     model, parallel, cache = config.model_config, config.parallel_config, config.cache_config
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
-        raise ConfigError("KVStoreConnector supports one GPU per instance (tensor and pipeline "
-                          "parallel size 1)")
+    if parallel.pipeline_parallel_size != 1:
+        raise ConfigError("KVStoreConnector needs every layer in one process: pipeline "
+                          "parallel size 1 (tensor parallelism is supported)")
+    if (getattr(parallel, "decode_context_parallel_size", 1) != 1
+            or getattr(parallel, "prefill_context_parallel_size", 1) != 1):
+        raise ConfigError("KVStoreConnector needs each rank to hold every token of a block: "
+                          "decode and prefill context parallel size 1")
     if cache.cache_dtype != "auto":
         raise ConfigError(f"KVStoreConnector needs the KV cache in the model's dtype "
                           f"(kv_cache_dtype auto), not {cache.cache_dtype!r}")
+    per_rank = model.get_num_kv_heads(parallel)
     return ModelGeometry(
         checkpoint=str(model.model), dtype=str(model.dtype).removeprefix("torch."),
         block_size=int(cache.block_size), num_layers=model.get_num_layers(parallel),
-        num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size())
+        num_kv_heads=per_rank, head_dim=model.get_head_size(),
+        tensor_parallel_size=int(parallel.tensor_parallel_size),
+        total_kv_heads=per_rank if model.use_mla else model.get_total_num_kv_heads())
+
+
+def tensor_parallel_rank() -> int:
+    """This worker's rank in its tensor-parallel group (0 outside vLLM's workers)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0
+    return int(parallel_state.get_tensor_model_parallel_rank())
 
 
 def device_label(config: VllmConfig) -> str:
@@ -133,25 +152,33 @@ class KVStoreConnector(KVConnectorBase_V1):
             address=extra.get("address"))
         tenants = tenancy(extra, config.client.auth_token,
                           parse_data_key(config.security.data_key))
+        scheduler = role == KVConnectorRole.SCHEDULER
+        rank = 0 if scheduler else tensor_parallel_rank()
+        #: The KV-head slice this worker holds, and whether it saves it (the first rank
+        #: holding it does); the scheduler plans for every slice (``StepPlan.for_shard``).
+        self.shard, self.saves_shard = geometry.shard_of_rank(rank), geometry.saves_on_rank(rank)
+        own = self.shard
         self.namespace_of = functools.lru_cache(maxsize=1024)(
-            lambda salt, weights="": namespace(geometry, fingerprint, tag, salt,
-                                               **tenants.keys(), weights=weights))
+            lambda salt, weights="", shard=None: namespace(
+                geometry, fingerprint, tag, salt, **tenants.keys(), weights=weights,
+                shard=own if shard is None else shard))
         self.store = connect(config)
         save, load = transfer.is_kv_producer, transfer.is_kv_consumer
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
-        if role == KVConnectorRole.SCHEDULER:
+        if scheduler:
             recompute_load_failures(transfer, extra)
             self.scheduler_side = SchedulerSide(
                 self.store, self.namespace_of, geometry.block_size,
                 save=save and tenants.may_write, load=load,
-                load_mode=str(extra.get("load_mode", "auto")), salt_for=tenants.salt_for)
+                load_mode=str(extra.get("load_mode", "auto")), salt_for=tenants.salt_for,
+                shards=geometry.num_shards)
             self.scheduler_side.warm_up()
         else:
-            self.worker_side = WorkerSide(self.store, self.namespace_of, geometry.num_kv_heads,
-                                          geometry.head_dim,
-                                          layerwise=None if extra.get("layerwise") is None
-                                          else bool(extra["layerwise"]))
+            self.worker_side = WorkerSide(
+                self.store, self.namespace_of, geometry.num_kv_heads, geometry.head_dim,
+                layerwise=None if extra.get("layerwise") is None else bool(extra["layerwise"]),
+                forward_cores=forward_cores(geometry.tensor_parallel_size))
 
     # -- worker side ---------------------------------------------------------------------
     def _worker(self) -> WorkerSide:
@@ -162,9 +189,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         self._worker().register(kv_caches)
 
     def _plan(self) -> StepPlan:
+        """This step's plan for this worker's KV-head slice."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreMetadata)
-        return meta.plan
+        return meta.plan.for_shard(self.shard, saves=self.saves_shard)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         self._worker().before_step()  # saves gathered before vLLM reuses any block

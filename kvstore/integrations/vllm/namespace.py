@@ -5,6 +5,11 @@ checkpoint (config and every weight, fingerprinted from the checkpoint's files t
 fingerprints a loaded model), dtype, vLLM block size, layers, KV heads and head size, and the
 same arithmetic (the numerics tag: device kind, torch and vLLM versions, attention backend). A
 request's ``cache_salt`` is its tenant: two salts never share a block.
+
+Under tensor parallelism each rank holds a slice of the KV heads (or, with fewer KV heads than
+ranks, one head that several ranks hold alike), and computes it with the all-reduces of its
+parallel size: each distinct slice is a namespace of its own (a *shard*), named by the parallel
+size and the heads it holds, so a rank loads only what a rank holding the same heads saved.
 """
 
 from __future__ import annotations
@@ -30,8 +35,40 @@ class ModelGeometry:
     dtype: str
     block_size: int
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # per rank
     head_dim: int
+    tensor_parallel_size: int = 1
+    total_kv_heads: int = 0  # the model's, all ranks together (0: ``num_kv_heads``)
+
+    @property
+    def num_shards(self) -> int:
+        """Distinct KV-head slices across the ranks: the parallel size when it divides the
+        heads, else the heads (each replicated on ``tensor_parallel_size // heads`` ranks)."""
+        return min(self.tensor_parallel_size, self.total_kv_heads or self.num_kv_heads)
+
+    def shard_of_rank(self, rank: int) -> int:
+        """The slice tensor-parallel rank ``rank`` holds (vLLM splits heads in rank order)."""
+        if not 0 <= rank < self.tensor_parallel_size:
+            raise ConfigError(f"tensor-parallel rank {rank} is not one of "
+                              f"{self.tensor_parallel_size}")
+        return rank * self.num_shards // self.tensor_parallel_size
+
+    def saves_on_rank(self, rank: int) -> bool:
+        """Whether ``rank`` is the first of the ranks holding its slice: the one that saves
+        it (the others hold the same bytes)."""
+        return self.shard_of_rank(rank) != self.shard_of_rank(rank - 1) if rank else True
+
+    def shard_label(self, shard: int) -> str:
+        """What sets slice ``shard`` apart in its namespace ("" without tensor parallelism,
+        so a single-rank instance's namespace is what it always was)."""
+        if self.tensor_parallel_size == 1:
+            return ""
+        if not 0 <= shard < self.num_shards:
+            raise ConfigError(f"KV shard {shard} is not one of {self.num_shards}")
+        total = self.total_kv_heads or self.num_kv_heads
+        first = shard * total // self.num_shards
+        return (f"tp {self.tensor_parallel_size}: kv heads {first}-"
+                f"{first + self.num_kv_heads - 1} of {total}")
 
 
 def checkpoint_fingerprint(checkpoint: str | Path, cache_dir: Path | None = None) -> str:
@@ -113,12 +150,15 @@ def weights_fingerprint(fingerprint: str, weights: str) -> str:
 
 def namespace(geometry: ModelGeometry, fingerprint: str, tag: str, cache_salt: str | None,
               data_key: bytes | None = None, tenant_key: bytes | None = None,
-              weights: str = "") -> Namespace:
+              weights: str = "", shard: int = 0) -> Namespace:
     """The namespace of one request of an instance (``cache_salt``: its tenant), keyed on a
     secure cluster with the cluster's data key or that tenant's own key (``tenancy``), as the
     store nodes rebuild it. ``weights``: the instance's weights version since its cache was
-    last reset ("" while they are the checkpoint's; ``weights_fingerprint``)."""
+    last reset ("" while they are the checkpoint's; ``weights_fingerprint``). ``shard``: the
+    KV-head slice, under tensor parallelism (``ModelGeometry.shard_of_rank``)."""
+    label = geometry.shard_label(shard)
     return Namespace(weights_fingerprint(fingerprint, weights), geometry.dtype,
                      geometry.block_size, geometry.num_layers, geometry.num_kv_heads,
-                     geometry.head_dim, cache_salt or "", numerics=tag, data_key=data_key,
+                     geometry.head_dim, cache_salt or "",
+                     numerics=f"{tag}|{label}" if label else tag, data_key=data_key,
                      tenant_key=tenant_key)

@@ -6,7 +6,9 @@ full block before the prompt's final token (vLLM must compute at least one token
 from), as its own prefix cache reuses. Once vLLM has allocated blocks, those tokens become a load
 for the worker side; every full prompt block computed from then on (and any that vLLM had in
 its own cache but kvstore lacks) becomes a save, planned in the step whose forward completes it.
-A lookup that fails (a cluster gone) counts as no hit: the request computes its prompt.
+A lookup that fails (a cluster gone) counts as no hit: the request computes its prompt. Under
+tensor parallelism the prompt is looked up in each KV-head slice's namespace, a hit reaches as
+far as every slice holds it, and each slice's blocks are planned on their own (``shards``).
 
 A load is synchronous (fetched and written during the forward that needs it, layer by layer) or
 asynchronous (the request waits in vLLM's ``WAITING_FOR_REMOTE_KVS`` while others go on; the
@@ -36,14 +38,24 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class _Chain:
+    """A request's blocks in one KV-head slice's namespace (the only one without tensor
+    parallelism): their keys, and what the lookup said of them."""
+
+    keys: list[bytes]
+    parents: list[bytes]
+    holders: list[list[str]] | None = None  # per hit block
+    lease: Any = None  # the lookup's lease on this host's node, until a load takes it
+
+
+@dataclass
 class _Tracked:
     """A request the scheduler side follows until it finishes."""
 
     salt: str
     weights: str  # the instance's weights version when its keys were made
     tokens: list[int]
-    keys: list[bytes]
-    parents: list[bytes]
+    chains: list[_Chain]  # one per KV-head slice (``SchedulerSide.shards``)
     hit_blocks: int  # kvstore's prefix, in blocks
     saved_blocks: int  # blocks [0, saved_blocks) are in kvstore or planned: kvstore's prefix
     # first, so blocks vLLM had in its own cache but kvstore lacks are saved too (resident)
@@ -51,22 +63,29 @@ class _Tracked:
     load_blocks: int = 0  # blocks to load from kvstore past the local hit
     load_async: bool = False
     block_ids: list[int] | None = None
-    holders: list[list[str]] | None = None  # per hit block, from the lookup
-    lease: Any = None  # the lookup's lease on this host's node, until a load takes it
     sources: dict[str, int] | None = None  # the load's tokens by where they lie (hit_sources)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.chains[0].keys) if self.chains else 0
 
 
 LOAD_MODES = ("auto", "sync", "async")
 
 
 class SchedulerSide:
-    """Lookups and step plans; ``namespace_of(salt)`` makes a request's namespace."""
+    """Lookups and step plans; ``namespace_of(salt, weights)`` makes a request's namespace
+    (``namespace_of(salt, weights, shard)`` each KV-head slice's, with several)."""
 
     def __init__(self, store: Any, namespace_of: Any, block_size: int, save: bool = True,
                  load: bool = True, load_mode: str = "auto",
-                 salt_for: Callable[[str | None], str | None] | None = None) -> None:
+                 salt_for: Callable[[str | None], str | None] | None = None,
+                 shards: int = 1) -> None:
         """``salt_for``: a request's namespace salt from its ``cache_salt``, None where the
-        instance may not cache it (``tenancy.Tenancy.salt_for``; default: the salt itself)."""
+        instance may not cache it (``tenancy.Tenancy.salt_for``; default: the salt itself).
+        ``shards``: the KV-head slices the instance's tensor-parallel ranks hold
+        (``namespace.ModelGeometry.num_shards``): a prefix is a hit only as far as every
+        slice holds it, and each slice's blocks travel on their own."""
         if load_mode not in LOAD_MODES:
             raise ValueError(f"load_mode {load_mode!r}: expected one of {', '.join(LOAD_MODES)}")
         self.store = store
@@ -75,6 +94,7 @@ class SchedulerSide:
         self.save, self.load = save, load
         self.load_mode = load_mode
         self.salt_for = salt_for or (lambda salt: salt or "")
+        self.shards = shards
         self._uncached_salts: set[str] = set()
         self.weights = ""  # the weights version: "" until vLLM resets the cache (reset)
         self._requests: dict[str, _Tracked] = {}
@@ -124,37 +144,52 @@ class SchedulerSide:
                 self._uncached_salts.add(request.cache_salt)
                 log.warning("cache_salt %r is not this instance's tenant: its requests are "
                             "served without kvstore", request.cache_salt)
-            tracked = _Tracked("", self.weights, tokens, [], [], hit_blocks=0, saved_blocks=0)
+            tracked = _Tracked("", self.weights, tokens, [_Chain([], [])], hit_blocks=0,
+                               saved_blocks=0)
             self._requests[request.request_id] = tracked
             return tracked
-        namespace: Namespace = self.namespace_of(salt, self.weights)
-        keys = [bytes(k) for k in BlockHasher(namespace).block_keys(tokens)]
-        parents = [namespace.root, *keys[:-1]] if keys else []
         usable = (len(tokens) - 1) // self.block_size  # one token is always computed
-        # A loader needs the prefix up to its last usable block; a saver the whole prompt.
-        wanted = keys if self.save else keys[:usable]
-        held, hit, holders, lease = 0, 0, None, None
         local = num_computed_tokens // self.block_size
+        # A loader needs the prefix up to its last usable block; a saver the whole prompt.
         # A load past vLLM's own hit asks this host's node for a lease, not a yes/no: the
         # same round trip, and the worker then reads under it without asking again.
         leasing = self.load and usable > local and hasattr(self.store, "lease_prefix")
-        if (self.load and usable > 0) or (self.save and wanted):
+        asking = (self.load and usable > 0) or (self.save and len(tokens) >= self.block_size)
+        chains, held = [], None
+        for namespace in self._namespaces(salt):
+            keys = [bytes(k) for k in BlockHasher(namespace).block_keys(tokens)]
+            chain = _Chain(keys, [namespace.root, *keys[:-1]] if keys else [])
+            chains.append(chain)
+            if not asking or held == 0:
+                held = 0
+                continue
+            wanted = keys if self.save else keys[:usable]
             try:
                 if leasing:
-                    found, lease = self.store.lease_prefix(namespace, wanted)
+                    found, chain.lease = self.store.lease_prefix(namespace, wanted)
                 else:
                     found = self.store.lookup_prefix(namespace, wanted)
-                held = found.num_blocks
-                hit = min(held, usable) if self.load else 0
-                holders = found.holders[:hit]
+                chain.holders = found.holders
+                held = found.num_blocks if held is None else min(held, found.num_blocks)
             except Exception as exc:  # the store's, Ray's or gRPC's: a miss, never a failure
                 log.warning("kvstore lookup failed, computing the prompt: %s", exc)
-        tracked = _Tracked(salt, self.weights, tokens, keys, parents, hit_blocks=hit,
-                           saved_blocks=max(held, hit), holders=holders, lease=lease)
+                held = 0
+        held = held or 0
+        hit = min(held, usable) if self.load else 0
+        for chain in chains:
+            chain.holders = None if chain.holders is None else chain.holders[:hit]
+        tracked = _Tracked(salt, self.weights, tokens, chains, hit_blocks=hit,
+                           saved_blocks=max(held, hit))
         if hit <= local:
             self._release(tracked)  # nothing to load: no read will use it
         self._requests[request.request_id] = tracked
         return tracked
+
+    def _namespaces(self, salt: str) -> list[Namespace]:
+        """A request's namespace, one per KV-head slice."""
+        if self.shards == 1:
+            return [self.namespace_of(salt, self.weights)]
+        return [self.namespace_of(salt, self.weights, shard) for shard in range(self.shards)]
 
     def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM gave the request its blocks; ``num_external_tokens`` of them load from kvstore."""
@@ -177,13 +212,15 @@ class SchedulerSide:
     def _sources(self, t: _Tracked) -> dict[str, int]:
         """Where the blocks to load lie, as the lookup and its lease said: the worker reads
         this host's node first, so a block held here and elsewhere counts as here."""
-        info = getattr(t.lease, "info", None)  # a HeldLease's; the rest only passes it on
+        first = t.chains[0]  # the slices' blocks lie alike: their saves went the same way
+        info = getattr(first.lease, "info", None)  # a HeldLease's; the rest only passes it on
         on_disk = {loc.key for loc in getattr(info, "locations", ()) if loc.path}
         here = getattr(self.store, "local_node_id", None)  # None: an embedded LocalStore
         counts: dict[str, int] = {}
         for i in range(t.local_blocks, t.local_blocks + t.load_blocks):
-            holders = t.holders[i] if t.holders is not None and i < len(t.holders) else []
-            source = "disk" if t.keys[i] in on_disk else (
+            holders = first.holders[i] if first.holders is not None \
+                and i < len(first.holders) else []
+            source = "disk" if first.keys[i] in on_disk else (
                 "host" if here is None or here in holders else "p2p")
             counts[source] = counts.get(source, 0) + self.block_size
         return counts
@@ -196,7 +233,7 @@ class SchedulerSide:
             t = self._requests.get(rid)
             if t is None or t.block_ids is None:
                 continue
-            plan.loads.append(self._load(rid, t))
+            plan.loads.extend(self._loads(rid, t))
         self._pending_loads.clear()
         if not self.save:
             return plan
@@ -222,38 +259,41 @@ class SchedulerSide:
         return plan
 
     def _plan_save(self, plan: StepPlan, rid: str, t: _Tracked, computed_after: int) -> None:
-        done = min(computed_after // self.block_size, len(t.keys))
+        done = min(computed_after // self.block_size, t.num_blocks)
         if t.block_ids is None or done <= t.saved_blocks:
             return
         done = min(done, len(t.block_ids))
-        plan.saves.append(self._transfer(rid, t, t.saved_blocks, done))
+        plan.saves.extend(self._transfers(rid, t, t.saved_blocks, done))
         t.saved_blocks = done
 
-    def _transfer(self, rid: str, t: _Tracked, start: int, end: int) -> BlockTransfer:
+    def _transfers(self, rid: str, t: _Tracked, start: int, end: int) -> list[BlockTransfer]:
+        """Blocks ``[start, end)`` of a request, one transfer per KV-head slice."""
         assert t.block_ids is not None
         bs = self.block_size
-        return BlockTransfer(
-            rid, t.salt, t.keys[start:end], t.parents[start:end],
-            [t.tokens[i * bs:(i + 1) * bs] for i in range(start, end)], t.block_ids[start:end],
-            weights=t.weights)
+        tokens = [t.tokens[i * bs:(i + 1) * bs] for i in range(start, end)]
+        return [BlockTransfer(rid, t.salt, chain.keys[start:end], chain.parents[start:end],
+                              tokens, t.block_ids[start:end], weights=t.weights, shard=shard)
+                for shard, chain in enumerate(t.chains)]
 
-    def _load(self, rid: str, t: _Tracked) -> BlockTransfer:
+    def _loads(self, rid: str, t: _Tracked) -> list[BlockTransfer]:
         start, end = t.local_blocks, t.local_blocks + t.load_blocks
-        transfer = self._transfer(rid, t, start, end)
-        transfer.asynchronous = t.load_async
-        if t.holders is not None and len(t.holders) >= end:
-            transfer.holders = t.holders[start:end]
-        transfer.lease, t.lease = t.lease, None  # the worker reads under it, then ends it
-        return transfer
+        transfers = self._transfers(rid, t, start, end)
+        for transfer, chain in zip(transfers, t.chains, strict=True):
+            transfer.asynchronous = t.load_async
+            if chain.holders is not None and len(chain.holders) >= end:
+                transfer.holders = chain.holders[start:end]
+            transfer.lease, chain.lease = chain.lease, None  # the worker reads, then ends it
+        return transfers
 
     def _release(self, t: _Tracked) -> None:
-        """End a lookup's lease that no load will read under."""
-        lease, t.lease = t.lease, None
-        if lease is not None:
-            try:
-                self.store.release_lease(lease)
-            except Exception as exc:  # it runs to its TTL: memory held a while, nothing lost
-                log.debug("releasing a lookup's lease failed: %s", exc)
+        """End a lookup's leases that no load will read under."""
+        for chain in t.chains:
+            lease, chain.lease = chain.lease, None
+            if lease is not None:
+                try:
+                    self.store.release_lease(lease)
+                except Exception as exc:  # it runs to its TTL: memory held a while
+                    log.debug("releasing a lookup's lease failed: %s", exc)
 
     def finished(self, request_id: str) -> None:
         tracked = self._requests.pop(request_id, None)

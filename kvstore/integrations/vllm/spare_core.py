@@ -45,14 +45,42 @@ from kvstore.integrations.vllm.plans import BlockTransfer
 log = logging.getLogger(__name__)
 
 
-def spare_cores() -> set[int]:
+def spare_cores(others: frozenset[int] | None = frozenset()) -> set[int]:
     """CPUs this process may use that the calling thread (vLLM's forward, once vLLM pinned it)
-    does not; empty where the forward may run anywhere."""
+    does not, nor ``others`` (the forwards of the instance's other ranks, ``forward_cores``;
+    None: unknown, so none is spare); empty where the forward may run
+    anywhere."""
+    if others is None:
+        return set()
     try:
         forward = os.sched_getaffinity(0)  # the calling thread's
     except (AttributeError, OSError):
         return set()
-    return _process_cpus() - forward
+    return _process_cpus() - forward - others
+
+
+def forward_cores(world_size: int, bind: str | None = None) -> frozenset[int] | None:
+    """The cores vLLM binds this host's forwards to, every rank's, as
+    ``VLLM_CPU_OMP_THREADS_BIND`` (``bind``) names them: a CPU list per rank, ``|`` between
+    them (``0-3|4-7``). With vLLM's automatic binding (a NUMA node per rank) or none: for one
+    rank, none beyond the calling thread's own (``spare_cores`` asks it); for several, None:
+    unknown, so no core counts as spare."""
+    mask = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") if bind is None else bind
+    if mask in ("auto", "nobind"):
+        return frozenset() if world_size == 1 else None
+    cores: set[int] = set()
+    for text in mask.split("|"):
+        cores.update(_cpu_list(text))
+    return frozenset(cores)
+
+
+def _cpu_list(text: str) -> set[int]:
+    """``0-3,8`` as {0, 1, 2, 3, 8}."""
+    cpus: set[int] = set()
+    for part in filter(None, text.strip().split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 def pin_thread(cores: set[int]) -> None:
@@ -67,11 +95,7 @@ def _process_cpus() -> set[int]:
             text = f.read().strip()
     except OSError:
         text = ""
-    cpus: set[int] = set()
-    for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus or set(range(os.cpu_count() or 1))
+    return _cpu_list(text) or set(range(os.cpu_count() or 1))
 
 
 @dataclass

