@@ -150,7 +150,6 @@ class SchedulerSide:
             return tracked
         usable = (len(tokens) - 1) // self.block_size  # one token is always computed
         local = num_computed_tokens // self.block_size
-        # A loader needs the prefix up to its last usable block; a saver the whole prompt.
         # A load past vLLM's own hit asks this host's node for a lease, not a yes/no: the
         # same round trip, and the worker then reads under it without asking again.
         leasing = self.load and usable > local and hasattr(self.store, "lease_prefix")
@@ -163,7 +162,7 @@ class SchedulerSide:
             if not asking or held == 0:
                 held = 0
                 continue
-            wanted = keys if self.save else keys[:usable]
+            wanted = keys if self.save else keys[:usable]  # a saver asks for every block
             try:
                 if leasing:
                     found, chain.lease = self.store.lease_prefix(namespace, wanted)
