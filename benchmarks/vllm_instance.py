@@ -26,7 +26,8 @@ timed after all the prompts instead, each then as cold in the CPU's caches as a 
 
 ``phases`` (a list of such jobs' prompt settings: ``prompts``, ``salts``, ``together``,
 ``bypass``, ``stop_cluster_after``, ``reset_connector``: the connector's cache reset too, as
-after a weight update) runs one after another on the same engine, vLLM's own prefix cache
+after a weight update; ``save_generated``: each request asks the connector to save its
+generated blocks too) runs one after another on the same engine, vLLM's own prefix cache
 reset before each phase, so a test pays for one engine start, not one per phase;
 their results are printed as one list, in order.
 
@@ -52,6 +53,8 @@ from typing import Any
 WARMUP_PROMPT = [3 + (i * 7919) % 300 for i in range(288)]
 #: A request's ``extra_args`` that has kvstore's connector neither load nor save it.
 BYPASS = {"kv_transfer_params": {"kvstore_bypass": True}}
+#: A request's ``extra_args`` that has kvstore's connector save its generated blocks too.
+SAVE_GENERATED = {"kv_transfer_params": {"kvstore_save_generated": True}}
 
 
 def run(job: dict[str, Any]) -> list[dict[str, Any]]:
@@ -104,7 +107,8 @@ def connector_metrics(llm: Any) -> dict[str, float]:
 def _phase(llm: Any, job: dict[str, Any], phase: dict[str, Any]) -> list[dict[str, Any]]:
     from vllm import SamplingParams
 
-    extra = BYPASS if phase.get("bypass") else None
+    extra = BYPASS if phase.get("bypass") else SAVE_GENERATED \
+        if phase.get("save_generated") else None
     first = SamplingParams(max_tokens=1, temperature=0, extra_args=extra)
     params = SamplingParams(max_tokens=job["max_tokens"], temperature=0, logprobs=1,
                             extra_args=extra)

@@ -42,9 +42,12 @@ SYNC_DAMAGED_PROMPTS = [SYNC_DAMAGED + [61, 62], SYNC_DAMAGED + [63, 64, 65]]
 LATE = [(i * 29) % 350 + 9 for i in range(140)]
 LATE_PROMPTS = [LATE + [51], LATE + [52, 53], LATE + [54, 55, 56]]
 SALTED = SYSTEM + [31, 32, 33]
+#: A turn whose answer fills a block: 1 full block and 28 tokens, then 8 generated.
+TURN = [(i * 31) % 350 + 4 for i in range(60)]
 ALL = PROMPTS + DAMAGED_PROMPTS + SYNC_DAMAGED_PROMPTS + LATE_PROMPTS
-#: B's results: the batch (0-3), the damaged prefix loaded alone (4), then the late prompts.
-SYNC_RESULT, LATE_RESULTS = 4, slice(5, None)
+#: B's results: the batch (0-3), the damaged prefix loaded alone (4), the next turn after
+#: ``TURN`` and the same with the connector bypassed (5, 6), then the late prompts.
+SYNC_RESULT, NEXT_TURN, NEXT_TURN_BYPASSED, LATE_RESULTS = 4, 5, 6, slice(7, None)
 
 
 @pytest.fixture(scope="module")
@@ -71,18 +74,27 @@ def run_engine(env: dict[str, str], checkpoint: str, prompts: list[list[int]],
 def instance_a(cluster, checkpoint) -> list[dict]:
     """Instance A: every prompt of the module with the connector bypassed (kvstore neither
     read nor written: the reference), then the first prompt of each shared prefix, which
-    publishes its blocks (one of them as tenant ``tenant-a``). Then the first prompt again
-    twice (``AFTER_RESET``): after vLLM reset its caches and the connector's, as it does when
-    weights were updated in place, then after a reset of vLLM's own cache only."""
+    publishes its blocks (one of them as tenant ``tenant-a``). Then ``TURN``, its generated
+    blocks saved too (``TURN_RESULT``). Then the first prompt again twice (``AFTER_RESET``):
+    after vLLM reset its caches and the connector's, as it does when weights were updated in
+    place, then after a reset of vLLM's own cache only."""
     return run_engine(cluster, checkpoint, [], [], phases=[
         {"prompts": ALL, "bypass": True},
         {"prompts": [PROMPTS[0], DAMAGED_PROMPTS[0], SALTED, SYNC_DAMAGED_PROMPTS[0]],
          "salts": [None, None, "tenant-a", None]},
+        {"prompts": [TURN], "save_generated": True},
         {"prompts": [PROMPTS[0]], "reset_connector": True},
         {"prompts": [PROMPTS[0]]}])
 
 
-AFTER_RESET = slice(len(ALL) + 4, len(ALL) + 6)
+TURN_RESULT = len(ALL) + 4
+AFTER_RESET = slice(len(ALL) + 5, len(ALL) + 7)
+
+
+@pytest.fixture(scope="module")
+def next_turn(instance_a) -> list[int]:
+    """The conversation's next prompt: ``TURN``, A's answer, a new question."""
+    return TURN + instance_a[TURN_RESULT]["tokens"] + [71]
 
 
 @pytest.fixture(scope="module")
@@ -91,13 +103,15 @@ def reference(instance_a) -> dict[tuple[int, ...], dict]:
 
 
 @pytest.fixture(scope="module")
-def fresh(cluster, checkpoint, reference) -> tuple[list[dict], str, dict[str, float]]:
+def fresh(cluster, checkpoint, reference, next_turn) -> tuple[list[dict], str,
+                                                             dict[str, float]]:
     """A fresh instance B, after block 3 of the damaged prefix and block 2 of the other one
     were corrupted in the store node's arena: one batch of the second question, the salted
     prompt as two tenants and the damaged prompt's second question. vLLM admits them
     together, so the first loads in its forward and the others asynchronously (``load_mode``
     auto: others are in flight). Then the other damaged prefix's second question alone (in
-    its forward). Then, one by one, three prompts of another prefix, the module's cluster
+    its forward). Then the next turn of ``TURN``'s conversation, and the same with the
+    connector bypassed. Then, one by one, three prompts of another prefix, the module's cluster
     stopped after the first (``LATE_RESULTS``). Its results, its log, and kvstore's counters on
     its vLLM metrics."""
     jobs = [{"checkpoint": checkpoint, "block_size": BLOCK, "tokens": tokens, "block": block}
@@ -109,6 +123,7 @@ def fresh(cluster, checkpoint, reference) -> tuple[list[dict], str, dict[str, fl
         {"prompts": [PROMPTS[1], SALTED, SALTED, DAMAGED_PROMPTS[1]],
          "salts": [None, "tenant-b", "tenant-a", None], "together": True},
         {"prompts": [SYNC_DAMAGED_PROMPTS[1]]},
+        {"prompts": [next_turn]}, {"prompts": [next_turn], "bypass": True},
         {"prompts": LATE_PROMPTS, "stop_cluster_after": 0}])
     return results, logs[0], metrics
 
@@ -130,6 +145,15 @@ def test_after_vllm_resets_the_connector_no_earlier_block_loads(instance_a, refe
     assert later["cached"] == (len(PROMPTS[0]) - 1) // BLOCK * BLOCK  # saved after the reset
     assert_same(after_reset, reference[tuple(PROMPTS[0])])
     assert_same(later, reference[tuple(PROMPTS[0])])
+
+
+def test_a_conversations_next_turn_loads_the_answers_blocks_and_generates_the_same(fresh):
+    """A saved the block its answer filled (``save_generated``): B loads the next turn's
+    prompt through it, and generates what the same engine does computing the whole prompt
+    (decode-computed KV is bitwise prefill's on vLLM's CPU backend)."""
+    got, want = fresh[0][NEXT_TURN], fresh[0][NEXT_TURN_BYPASSED]
+    assert got["cached"] == 2 * BLOCK and want["cached"] == 0  # the prompt's block and the
+    assert_same(got, want)  # answer's; without save_generated, one
 
 
 def test_two_salts_never_share_a_block(fresh):

@@ -294,3 +294,65 @@ def test_under_tensor_parallelism_a_slice_that_lacks_the_prefix_is_a_miss() -> N
     side = SchedulerSide(store, sliced, BS, shards=2)
     assert side.matched_tokens(request("r", prompt), 0) == (0, False)
     assert store.leased == 2 and store.released == ["lease-1"]
+
+
+def generating(rid: str, prompt: list[int], **params: object) -> SimpleNamespace:
+    """A request whose ``all_token_ids`` grows as vLLM's does when it generates."""
+    return SimpleNamespace(request_id=rid, prompt_token_ids=prompt, cache_salt=None,
+                           kv_transfer_params=params or None, all_token_ids=list(prompt))
+
+
+def decode(side: SchedulerSide, req: SimpleNamespace, tokens: list[int], block_ids=None,
+           drafts: int = 0):
+    """vLLM samples ``tokens`` one step each (the last one not yet computed); each step's
+    plan's saves. ``drafts``: speculative tokens scheduled beyond each step's one."""
+    saves = []
+    for n, token in enumerate(tokens):
+        req.all_token_ids.append(token)
+        computed = len(req.all_token_ids) - 1
+        plan = side.step_plan(step(cached=[(req.request_id, block_ids if n == 0 else None,
+                                            computed)],
+                                   scheduled={req.request_id: 1 + drafts}))
+        saves += plan.saves
+    return saves
+
+
+def test_generated_blocks_are_saved_as_they_fill_when_asked() -> None:
+    """A conversation's next turn holds this answer: with ``save_generated`` each block its
+    generated tokens fill is saved, keyed as the next turn's prompt keys it, once the forward
+    has computed its last position; without it, nothing past the prompt."""
+    prompt = list(range(100, 106))  # 1 full block and 2 tokens
+    answer = list(range(300, 309))
+    for default, params, saved in ((True, {}, True), (False, {}, False),
+                                   (False, {"kvstore_save_generated": True}, True),
+                                   (True, {"kvstore_save_generated": False}, False)):
+        side = SchedulerSide(LocalStore(), ns, BS, save_generated=default)
+        req = generating("r", prompt, **params)
+        side.matched_tokens(req, 0)
+        side.allocated(req, [10, 11], 0)
+        [first] = side.step_plan(step(new=[("r", [10, 11], 0)], scheduled={"r": 6})).saves
+        assert first.block_ids == [10]
+        saves = decode(side, req, answer, block_ids=[12, 13])
+        if not saved:
+            assert saves == []
+            continue
+        want = [bytes(k) for k in BlockHasher(ns("")).block_keys(prompt + answer)]
+        # blocks 1 (tokens 4-7) and 2 (8-11), each saved in the step that computes its end
+        assert [s.keys for s in saves] == [want[1:2], want[2:3]]
+        assert [s.parents for s in saves] == [want[0:1], want[1:2]]
+        assert [s.tokens for s in saves] == [[[104, 105, 300, 301]], [[302, 303, 304, 305]]]
+        assert [s.block_ids for s in saves] == [[11], [12]]
+
+
+def test_speculative_positions_are_never_saved_before_their_tokens_are_accepted() -> None:
+    side = SchedulerSide(LocalStore(), ns, BS, save_generated=True)
+    req = generating("r", list(range(100, 106)))
+    side.matched_tokens(req, 0)
+    side.allocated(req, [10, 11, 12], 0)
+    side.step_plan(step(new=[("r", [10, 11, 12], 0)], scheduled={"r": 6}))
+    req.all_token_ids.append(300)  # position 6; drafts for 7-9 computed, not yet accepted
+    plan = side.step_plan(step(cached=[("r", None, 6)], scheduled={"r": 4}))
+    assert plan.saves == []
+    req.all_token_ids += [301, 302]  # accepted: block 1 (positions 4-7) is whole
+    [save] = side.step_plan(step(cached=[("r", None, 8)], scheduled={"r": 1})).saves
+    assert save.tokens == [[104, 105, 300, 301]]

@@ -8,7 +8,8 @@ naming ``kvstore start``, when there is none. ``kv_role``: ``kv_producer`` saves
 ``kv_consumer`` loads only, ``kv_both`` does both. ``kv_connector_extra_config`` may also set
 ``load_mode`` (``auto``, ``sync``, ``async``: ``scheduler_side``) and ``layerwise`` (true:
 synchronous loads are written layer by layer under the forward; false: whole before it;
-default: layer by layer on a GPU only, ``worker_side.WorkerSide``), and, for an
+default: layer by layer on a GPU only, ``worker_side.WorkerSide``), ``save_generated`` (save
+the blocks generated tokens fill too: ``scheduler_side``), and, for an
 instance run by one tenant, ``credential`` and ``tenant_key`` (``tenancy``). A block kvstore
 cannot load is recomputed (``recompute_load_failures``), never a failed request. Under tensor
 parallelism each worker executes its own KV-head slice's part of each plan (``shard``). The
@@ -172,7 +173,7 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self.store, self.namespace_of, geometry.block_size,
                 save=save and tenants.may_write, load=load,
                 load_mode=str(extra.get("load_mode", "auto")), salt_for=tenants.salt_for,
-                shards=geometry.num_shards)
+                shards=geometry.num_shards, save_generated=bool(extra.get("save_generated")))
             self.scheduler_side.warm_up()
         else:
             self.worker_side = WorkerSide(

@@ -21,6 +21,13 @@ A save-only instance (``kv_producer``) still looks the prompt up, so it never ga
 again the blocks kvstore already holds (a shared system prompt, every request). A request whose
 ``kv_transfer_params`` carry ``{"kvstore_bypass": true}`` neither loads nor saves: the
 reference run of ``kvstore serve``'s ``bypass_cache`` through the same engine.
+
+With ``save_generated`` (the instance's default; a request's ``kv_transfer_params``
+``{"kvstore_save_generated": true/false}`` overrides it) the blocks a request's generated tokens
+fill are saved too, as each fills: a conversation's next turn, whose prompt holds this answer,
+then loads it on any instance. Off by default, as in LMCache: those blocks' KV was computed a
+token at a time, which on some devices differs in its last bits from the prefill that a run
+with the cache bypassed computes (on vLLM's CPU backend it was measured bitwise equal).
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ class _Tracked:
     load_async: bool = False
     block_ids: list[int] | None = None
     sources: dict[str, int] | None = None  # the load's tokens by where they lie (hit_sources)
+    request: Any = None  # vLLM's request, whose tokens grow as it generates (save_generated)
 
     @property
     def num_blocks(self) -> int:
@@ -80,12 +88,13 @@ class SchedulerSide:
     def __init__(self, store: Any, namespace_of: Any, block_size: int, save: bool = True,
                  load: bool = True, load_mode: str = "auto",
                  salt_for: Callable[[str | None], str | None] | None = None,
-                 shards: int = 1) -> None:
+                 shards: int = 1, save_generated: bool = False) -> None:
         """``salt_for``: a request's namespace salt from its ``cache_salt``, None where the
         instance may not cache it (``tenancy.Tenancy.salt_for``; default: the salt itself).
         ``shards``: the KV-head slices the instance's tensor-parallel ranks hold
         (``namespace.ModelGeometry.num_shards``): a prefix is a hit only as far as every
-        slice holds it, and each slice's blocks travel on their own."""
+        slice holds it, and each slice's blocks travel on their own. ``save_generated``: save
+        the blocks generated tokens fill, unless a request says otherwise."""
         if load_mode not in LOAD_MODES:
             raise ValueError(f"load_mode {load_mode!r}: expected one of {', '.join(LOAD_MODES)}")
         self.store = store
@@ -95,6 +104,7 @@ class SchedulerSide:
         self.load_mode = load_mode
         self.salt_for = salt_for or (lambda salt: salt or "")
         self.shards = shards
+        self.save_generated = save_generated
         self._uncached_salts: set[str] = set()
         self.weights = ""  # the weights version: "" until vLLM resets the cache (reset)
         self._requests: dict[str, _Tracked] = {}
@@ -155,7 +165,7 @@ class SchedulerSide:
         leasing = self.load and usable > local and hasattr(self.store, "lease_prefix")
         asking = (self.load and usable > 0) or (self.save and len(tokens) >= self.block_size)
         chains, held = [], None
-        for namespace in self._namespaces(salt):
+        for namespace in self._namespaces(salt, self.weights):
             keys = [bytes(k) for k in BlockHasher(namespace).block_keys(tokens)]
             chain = _Chain(keys, [namespace.root, *keys[:-1]] if keys else [])
             chains.append(chain)
@@ -179,16 +189,19 @@ class SchedulerSide:
             chain.holders = None if chain.holders is None else chain.holders[:hit]
         tracked = _Tracked(salt, self.weights, tokens, chains, hit_blocks=hit,
                            saved_blocks=max(held, hit))
+        generated = params.get("kvstore_save_generated") if isinstance(params, dict) else None
+        if self.save and (self.save_generated if generated is None else bool(generated)):
+            tracked.request = request
         if hit <= local:
             self._release(tracked)  # nothing to load: no read will use it
         self._requests[request.request_id] = tracked
         return tracked
 
-    def _namespaces(self, salt: str) -> list[Namespace]:
+    def _namespaces(self, salt: str, weights: str) -> list[Namespace]:
         """A request's namespace, one per KV-head slice."""
         if self.shards == 1:
-            return [self.namespace_of(salt, self.weights)]
-        return [self.namespace_of(salt, self.weights, shard) for shard in range(self.shards)]
+            return [self.namespace_of(salt, weights)]
+        return [self.namespace_of(salt, weights, shard) for shard in range(self.shards)]
 
     def allocated(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """vLLM gave the request its blocks; ``num_external_tokens`` of them load from kvstore."""
@@ -258,12 +271,32 @@ class SchedulerSide:
         return plan
 
     def _plan_save(self, plan: StepPlan, rid: str, t: _Tracked, computed_after: int) -> None:
+        if t.request is not None:
+            self._extend(t, computed_after)
         done = min(computed_after // self.block_size, t.num_blocks)
         if t.block_ids is None or done <= t.saved_blocks:
             return
         done = min(done, len(t.block_ids))
         plan.saves.extend(self._transfers(rid, t, t.saved_blocks, done))
         t.saved_blocks = done
+
+    def _extend(self, t: _Tracked, computed_after: int) -> None:
+        """Keys for the blocks generated tokens filled, as far as this step's forward computes
+        them. Only tokens vLLM has accepted count: a speculative step computes positions past
+        them whose draft tokens may yet be rejected."""
+        bs = self.block_size
+        accepted = t.request.all_token_ids
+        full = min(computed_after, len(accepted)) // bs
+        if full <= t.num_blocks:
+            return
+        start = t.num_blocks
+        tokens = [int(x) for x in accepted[start * bs:full * bs]]
+        t.tokens = t.tokens[:start * bs] + tokens
+        for chain, namespace in zip(t.chains, self._namespaces(t.salt, t.weights), strict=True):
+            parent = chain.keys[-1] if chain.keys else namespace.root
+            keys = [bytes(k) for k in BlockHasher(namespace).block_keys(tokens, parent=parent)]
+            chain.parents += [parent, *keys[:-1]]
+            chain.keys += keys
 
     def _transfers(self, rid: str, t: _Tracked, start: int, end: int) -> list[BlockTransfer]:
         """Blocks ``[start, end)`` of a request, one transfer per KV-head slice."""
