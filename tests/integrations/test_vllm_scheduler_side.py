@@ -22,12 +22,16 @@ def ns(salt: str, weights: str = "") -> Namespace:
     return Namespace(weights_fingerprint("f" * 64, weights), "float32", BS, 1, 1, 2, salt)
 
 
-def publish(store: LocalStore, tokens: list[int], salt: str = "") -> None:
-    keys = BlockHasher(ns(salt)).block_keys(tokens)
-    parents = [ns(salt).root, *keys[:-1]]
-    store.batch_put(ns(salt), [BlockPut(k, p, tokens[i * BS:(i + 1) * BS],
-                                        torch.zeros(1, 2, BS, 1, 2))
-                               for i, (k, p) in enumerate(zip(keys, parents, strict=True))])
+def publish(store: LocalStore, tokens: list[int], salt: str = "",
+            space: Namespace | None = None) -> list[bytes]:
+    """Put ``tokens``' full blocks in namespace ``space`` (default: ``ns(salt)``); their keys."""
+    space = space or ns(salt)
+    keys = [bytes(k) for k in BlockHasher(space).block_keys(tokens)]
+    parents = [space.root, *keys[:-1]]
+    store.batch_put(space, [BlockPut(k, p, tokens[i * BS:(i + 1) * BS],
+                                     torch.zeros(1, 2, BS, 1, 2))
+                            for i, (k, p) in enumerate(zip(keys, parents, strict=True))])
+    return keys
 
 
 def request(rid: str, tokens: list[int], salt: str | None = None) -> SimpleNamespace:
@@ -250,24 +254,14 @@ def sliced(salt: str, weights: str = "", shard: int = 0) -> Namespace:
                      numerics=f"tp 2: kv heads {shard}-{shard} of 2")
 
 
-def publish_slice(store: LocalStore, tokens: list[int], shard: int) -> list[bytes]:
-    space = sliced("", shard=shard)
-    keys = [bytes(k) for k in BlockHasher(space).block_keys(tokens)]
-    parents = [space.root, *keys[:-1]]
-    store.batch_put(space, [BlockPut(k, p, tokens[i * BS:(i + 1) * BS],
-                                     torch.zeros(1, 2, BS, 1, 2))
-                            for i, (k, p) in enumerate(zip(keys, parents, strict=True))])
-    return keys
-
-
 def test_under_tensor_parallelism_a_prefix_is_a_hit_as_far_as_every_slice_holds_it() -> None:
     """Each rank's KV-head slice has its own keys and lease; the load reaches the last block
     that both slices hold, each slice's transfer goes to the ranks holding it, and every
     slice saves the rest."""
     store = LeasingStore(LocalStore())
     prompt = list(range(100, 118))  # 4 full blocks and 2 tokens
-    first = publish_slice(store.store, prompt[:12], 0)  # slice 0 holds 3 blocks
-    second = publish_slice(store.store, prompt[:8], 1)  # slice 1 only 2
+    first = publish(store.store, prompt[:12], space=sliced("", shard=0))  # 3 blocks
+    second = publish(store.store, prompt[:8], space=sliced("", shard=1))  # only 2
     side = SchedulerSide(store, sliced, BS, shards=2)
     req = request("r", prompt)
     assert side.matched_tokens(req, 0) == (8, False)
@@ -290,7 +284,7 @@ def test_under_tensor_parallelism_a_slice_that_lacks_the_prefix_is_a_miss() -> N
     """Slice 0 holds the prefix, slice 1 nothing: no load, and slice 0's lease is released."""
     store = LeasingStore(LocalStore())
     prompt = list(range(200, 214))
-    publish_slice(store.store, prompt[:8], 0)
+    publish(store.store, prompt[:8], space=sliced("", shard=0))
     side = SchedulerSide(store, sliced, BS, shards=2)
     assert side.matched_tokens(request("r", prompt), 0) == (0, False)
     assert store.leased == 2 and store.released == ["lease-1"]
