@@ -1,8 +1,8 @@
 """Real vLLM engines for the connector's tests: a private kvstore cluster, and one fresh vLLM
 instance per call, each in a process of its own (``benchmarks.vllm_instance``).
 
-An engine loads in 20-70 s on two busy cores, so a test module starts its engines once
-(module-scoped fixtures) and runs everything it needs as phases of them.
+An engine takes far longer to load than a test takes to run, so a test module starts its
+engines once (module-scoped fixtures) and runs everything it needs as phases of them.
 """
 
 from __future__ import annotations
