@@ -39,7 +39,9 @@ a third question is as fast as the second (so a fair floor);
 kvstore's time over theirs); ``cached_tokens_vs_full_blocks`` B's cached tokens over the
 system prompts' full blocks; ``outputs_equal`` B's tokens against the no-connector instance's
 for the same prompts. A baseline whose venv is missing or that fails is listed under
-``skipped`` with its reason.
+``skipped`` with its reason. ``--kv-cache-dtype`` (e.g. ``fp8``) runs every instance, the
+baselines' too, with that KV cache (kvstore then moves a quarter of the bytes); P/D is
+measured with the model's dtype only, so such a run lists it under ``skipped``.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ def _flags(parser: argparse.ArgumentParser) -> None:
                         help="time the same-instance floors after all the warm requests, not "
                              "each right after its own (the floor's KV then as cold in the "
                              "CPU's caches as a load's)")
+    parser.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                        help="every instance's vLLM --kv-cache-dtype (e.g. fp8; default auto: "
+                             "the model's float32); P/D is measured at auto only")
 
 
 def build_model(path: Path, quick: bool) -> str:
@@ -118,15 +123,15 @@ def third_questions(pairs: list[tuple[list[int], list[int]]]) -> list[list[int]]
 
 def instance(env: dict[str, str], model: str, batch: list[list[int]], role: str | None,
              max_tokens: int, transfer: dict[str, Any] | None = None,
-             floors: Sequence[list[int] | None] | None = None, floors_after: bool = False
-             ) -> list[dict[str, Any]]:
+             floors: Sequence[list[int] | None] | None = None, floors_after: bool = False,
+             kv_cache_dtype: str = "auto") -> list[dict[str, Any]]:
     """One instance's results; ``transfer``: another connector's ``kv_transfer_config``;
     ``floors``: a prompt per prompt whose first token is timed after it (``floors_after``:
     after them all), kvstore bypassed."""
     job = {"model": model, "block_size": BLOCK, "max_tokens": max_tokens, "prompts": batch,
            "warmup": True, "salts": [None] * len(batch), "role": role,
            "kv_transfer_config": transfer, "floor_prompts": floors,
-           "floors_after": floors_after}
+           "floors_after": floors_after, "kv_cache_dtype": kv_cache_dtype}
     done = subprocess.run([sys.executable, "-m", "benchmarks.vllm_instance", "-"],
                           input=json.dumps(job), env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=1800)
@@ -186,24 +191,25 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
     new_tokens = 8 if args.quick else 16
     interleaved = [p for pair in zip(first, second, strict=True) for p in pair]
     thirds = third_questions(pairs)
+    dtype = args.kv_cache_dtype
     plain = instance(env, model, interleaved, None, new_tokens,
                      floors=[p for third in thirds for p in (None, third)],
-                     floors_after=args.floors_after)
+                     floors_after=args.floors_after, kv_cache_dtype=dtype)
     cold, floor = plain[0::2], plain[1::2]
     # The same with a connector that does nothing: vLLM's connector machinery alone.
     null_floor = instance(env, model, interleaved, None, new_tokens,
-                          transfer=NULL_CONNECTOR)[1::2]
+                          transfer=NULL_CONNECTOR, kv_cache_dtype=dtype)[1::2]
     # ... and with one that moves a load's bytes under the forward: the floor of a copy.
     # Each paired with a third question right after it, moving nothing (kvstore_bypass).
     copy_floor = instance(env, model, interleaved, None, new_tokens,
                           transfer=COPY_FLOOR_CONNECTOR,
                           floors=[p for third in thirds for p in (None, third)],
-                          floors_after=args.floors_after)[1::2]
+                          floors_after=args.floors_after, kv_cache_dtype=dtype)[1::2]
     kvstore = start_kvstore(env, off_forward=True)
     try:
-        instance(env, model, first, "kv_both", new_tokens)
+        instance(env, model, first, "kv_both", new_tokens, kv_cache_dtype=dtype)
         fresh = instance(env, model, second, "kv_both", new_tokens, floors=thirds,
-                         floors_after=args.floors_after)
+                         floors_after=args.floors_after, kv_cache_dtype=dtype)
     finally:
         subprocess.run([*kvstore, "stop"], env=env, capture_output=True, timeout=300)
     systems = [s for i, (s, _) in enumerate(pairs) if i % 2 == 1]
@@ -225,13 +231,14 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
     skipped = dict(SKIPPED)
     for name in ("mooncake", "lmcache"):  # each starts and stops its own servers
         got = best_xinstance(name, model, first, second, env, block_size=BLOCK,
-                             max_tokens=new_tokens)
+                             max_tokens=new_tokens, kv_cache_dtype=dtype)
         if isinstance(got, str):
             skipped[f"ratio_warm_xinstance_vs_{name}"] = got
         else:
             baselines[name] = got
     figures: dict[str, Any] = {
         "system_tokens": [len(s) for s in systems], "block_size": BLOCK,
+        "kv_cache_dtype": dtype,
         "ttft_cold_s": cold_s, "ttft_warm_local_prefix_cache_s": warm_local,
         "ttft_warm_xinstance_s": warm_x,
         "ratio_warm_xinstance_vs_local_prefix_cache": warm_x / warm_local,
@@ -267,7 +274,8 @@ def run(args: argparse.Namespace, env: dict[str, str], work: Path) -> None:
                      f"<= 1.0 ({name}: {got.ttft_s:.3f} s)"))
     if "lmcache" in baselines:
         figures["lmcache_chunk_size"] = baselines["lmcache"].chunk_size
-    pd = prefill_decode(env, work, args.quick)
+    pd = prefill_decode(env, work, args.quick) if dtype == "auto" else \
+        f"measured with kv_cache_dtype auto only (this run: {dtype})"
     if isinstance(pd, str):
         skipped["ratio_throughput_pd_vs_single"] = pd
     else:

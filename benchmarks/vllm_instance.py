@@ -22,7 +22,8 @@ vLLM's own prefix cache in the same process a moment after the timed request, th
 with it, free of the spread from one instance to the next. (Not the same prompt again: a repeat
 measured faster than another question on the same system.) ``floors_after``: the floors are
 timed after all the prompts instead, each then as cold in the CPU's caches as a load.
-``tensor_parallel_size``: the instance's ranks (default 1).
+``tensor_parallel_size``: the instance's ranks (default 1). ``kv_cache_dtype``: vLLM's
+``--kv-cache-dtype`` (default auto: the model's dtype).
 
 ``phases`` (a list of such jobs' prompt settings: ``prompts``, ``salts``, ``together``,
 ``bypass``, ``stop_cluster_after``, ``reset_connector``: the connector's cache reset too, as
@@ -64,7 +65,8 @@ def run(job: dict[str, Any]) -> list[dict[str, Any]]:
     kwargs: dict[str, Any] = dict(
         model=job["model"], dtype="float32", max_model_len=job.get("max_model_len", 4096),
         gpu_memory_utilization=0.15, enforce_eager=True, block_size=job["block_size"],
-        enable_prefix_caching=True, tensor_parallel_size=job.get("tensor_parallel_size", 1))
+        enable_prefix_caching=True, tensor_parallel_size=job.get("tensor_parallel_size", 1),
+        kv_cache_dtype=job.get("kv_cache_dtype", "auto"))
     if job.get("metrics"):  # vLLM's statistics on: its Prometheus metrics are read at the end
         kwargs["disable_log_stats"] = False
     if job.get("kv_transfer_config"):  # another connector (benchmarks/baselines/)

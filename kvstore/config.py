@@ -30,8 +30,9 @@ _UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KI": 1024, "KIB": 1024, "M": 10
 SIZE_UNITS_HELP = ("a number of bytes with an optional unit: B; KiB, MiB, GiB, TiB (powers of "
                    "1024); K/KB, M/MB, G/GB, T/TB (powers of 1000); e.g. 512MiB, 4GiB, 1073741824")
 
-#: The dtypes a worker's model can run in; int8 is a namespace dtype (blocks may carry it) but
-#: the model loader has no int8 path, so validation refuses it instead of the loader, later.
+#: The dtypes a worker's model can run in; int8 and uint8 are namespace dtypes (blocks may
+#: carry them) but the model loader has no such path, so validation refuses them instead of
+#: the loader, later.
 WORKER_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
 

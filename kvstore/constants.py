@@ -17,7 +17,9 @@ PIN_SOFT = 1
 PIN_HARD = 2
 
 #: dtype names as a namespace spells them: torch's names without the ``torch.`` prefix.
-DTYPE_NAMES: tuple[str, ...] = ("float16", "bfloat16", "float32", "int8")
+#: ``uint8`` holds a quantized KV cache's bytes (vLLM keeps its fp8 caches so; the format
+#: itself is in the namespace's numerics tag).
+DTYPE_NAMES: tuple[str, ...] = ("float16", "bfloat16", "float32", "int8", "uint8")
 
 #: Alignment of a block's payload and of every arena extent: a cache line, and enough for any
 #: dtype's vectorised loads.

@@ -28,7 +28,7 @@ from kvstore.constants import ALIGN
 from kvstore.errors import BlockCorrupted, BlockMismatch, NamespaceMismatch
 from kvstore.keys import BlockHasher, Namespace
 
-DTYPES = ["float16", "bfloat16", "float32", "int8"]
+DTYPES = ["float16", "bfloat16", "float32", "int8", "uint8"]
 #: A cluster data key: a namespace built with it is keyed (its blocks carry a 16-byte MAC).
 DATA_KEY = b"block-tests-data-key-0123456789!"
 KEYED = pytest.mark.parametrize("key", [None, DATA_KEY], ids=["xxh3", "keyed"])
@@ -45,6 +45,8 @@ def make_payload(ns: Namespace, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     if ns.dtype == "int8":
         return torch.randint(-128, 128, ns.payload_shape, dtype=torch.int8, generator=gen)
+    if ns.dtype == "uint8":  # a quantized cache's bytes
+        return torch.randint(0, 256, ns.payload_shape, dtype=torch.uint8, generator=gen)
     return torch.randn(ns.payload_shape, generator=gen).to(ns.torch_dtype)
 
 

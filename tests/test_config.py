@@ -210,9 +210,9 @@ def test_unknown_setting_and_failed_check_name_file_and_line(tmp_path):
         load_config(path, env={})
 
 
-@pytest.mark.parametrize("dtype", ["int8", "float64"])
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "float64"])
 def test_worker_dtype_accepts_only_what_the_model_loader_runs(dtype):
-    """int8 is a namespace dtype but not a model dtype: refused when settings load."""
+    """int8 and uint8 are namespace dtypes but not model dtypes: refused when settings load."""
     with pytest.raises(ConfigError, match=r"worker.dtype .* use auto or one of \['float32', "
                                           r"'float16', 'bfloat16'\]"):
         WorkerConfig(dtype=dtype)

@@ -108,7 +108,7 @@ def _instance(python: Path, env: dict[str, str], job: dict[str, Any], log: Path
 
 def run_xinstance(baseline: str, model: str, first: list[list[int]], second: list[list[int]],
                   env: Mapping[str, str], *, block_size: int, max_tokens: int,
-                  chunk_size: int = 256, work: Path | None = None
+                  chunk_size: int = 256, work: Path | None = None, kv_cache_dtype: str = "auto"
                   ) -> list[dict[str, Any]] | str:
     """Instance A publishes ``first`` through ``baseline``; fresh B answers ``second``.
 
@@ -135,7 +135,8 @@ def run_xinstance(baseline: str, model: str, first: list[list[int]], second: lis
                        "PYTHONPATH": ":".join(paths)}
             # warmup: one unrelated request first, untimed, as bench_vllm's instances do.
             job = {"model": model, "block_size": block_size, "max_tokens": max_tokens,
-                   "warmup": True, "kv_transfer_config": {**kv, "kv_role": "kv_both"}}
+                   "warmup": True, "kv_transfer_config": {**kv, "kv_role": "kv_both"},
+                   "kv_cache_dtype": kv_cache_dtype}
             _instance(python, run_env, {**job, "prompts": first, "salts": [None] * len(first)},
                       root / "instance-a.log")
             return _instance(python, run_env,
@@ -159,14 +160,15 @@ class Fresh:
 
 
 def best_xinstance(baseline: str, model: str, first: list[list[int]], second: list[list[int]],
-                   env: Mapping[str, str], *, block_size: int, max_tokens: int
-                   ) -> Fresh | str:
+                   env: Mapping[str, str], *, block_size: int, max_tokens: int,
+                   kv_cache_dtype: str = "auto") -> Fresh | str:
     """``run_xinstance`` at each of the baseline's ``CHUNK_SIZES``; the fastest B, or why not."""
     timed: dict[int, tuple[float, list[dict[str, Any]]]] = {}
     reasons = []
     for chunk_size in CHUNK_SIZES.get(baseline, (256,)):
         fresh = run_xinstance(baseline, model, first, second, env, block_size=block_size,
-                              max_tokens=max_tokens, chunk_size=chunk_size)
+                              max_tokens=max_tokens, chunk_size=chunk_size,
+                              kv_cache_dtype=kv_cache_dtype)
         if isinstance(fresh, str):
             reasons.append(fresh)
         else:

@@ -309,7 +309,8 @@ def register(sub: Any) -> None:
                                     "namespace, with --block-size, --salt and --config")
     p.add_argument("--seed", type=int, help="weights seed of a random preset, with --model")
     p.add_argument("--model-fingerprint", help="namespace field: the model's sha256 fingerprint")
-    p.add_argument("--dtype", help="namespace field: float32, float16 or bfloat16")
+    p.add_argument("--dtype", help="namespace field: float32, float16, bfloat16, int8 or "
+                   "uint8 (a quantized cache's bytes)")
     p.add_argument("--block-size", type=int, help="namespace field: tokens per block")
     p.add_argument("--num-layers", type=int, help="namespace field: the model's layers")
     p.add_argument("--num-kv-heads", type=int, help="namespace field: KV heads per layer")

@@ -55,7 +55,7 @@ _NZ_SAME: tuple[tuple[int, str], ...] = ((0, "num_blocks"), (2, "block_size"))
 
 
 def nz_align(dtype: torch.dtype) -> int:
-    """Elements per 32-byte NZ fragment: int8 32, float16/bfloat16 16, float32 8."""
+    """Elements per 32-byte NZ fragment: int8/uint8 32, float16/bfloat16 16, float32 8."""
     return _NZ_ROW_BYTES // dtype.itemsize
 
 
@@ -69,7 +69,8 @@ def _check_cache(name: str, x: object, ndim: int) -> torch.Tensor:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise ValueError(
-            f"{name} dtype {x.dtype} is not supported; use float16, bfloat16, float32 or int8"
+            f"{name} dtype {x.dtype} is not supported; use float16, bfloat16, float32, int8 or "
+            "uint8 (a quantized cache's bytes)"
         )
     return x
 

@@ -4,6 +4,7 @@ block that cannot be loaded is reported for vLLM to recompute, never written."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from kvstore.api import MISS_NOT_FOUND, Miss
 from kvstore.client.local_store import LocalStore
+from kvstore.errors import ConfigError
 from kvstore.integrations.vllm.namespace import weights_fingerprint
 from kvstore.integrations.vllm.plans import BlockTransfer, StepPlan
 from kvstore.integrations.vllm.worker_side import WorkerSide, layer_order
@@ -72,6 +74,43 @@ def test_saved_blocks_load_bitwise_into_another_instance(layerwise: bool | None)
     assert writer.saved_blocks == 2
     reader.load(StepPlan(loads=[transfer(tokens, [0, 5])]))
     assert_loaded_blocks_4_1_into_0_5(reader, src, dst)
+    writer.close()
+    reader.close()
+
+
+def test_an_fp8_caches_bytes_load_bitwise_and_a_cache_of_another_dtype_is_refused() -> None:
+    """vLLM's fp8 caches are bytes (uint8): saved and loaded as they are. A cache whose dtype
+    is not the namespace's is refused at registration, never converted on the way."""
+    def fp8_ns(salt: str, weights: str = "") -> Namespace:
+        return Namespace(weights_fingerprint("e" * 64, weights), "uint8", BS, L, H, D, salt,
+                         numerics="cpu|kv cache fp8_e4m3 of float32")
+
+    def fp8_caches() -> dict[str, torch.Tensor]:
+        return {name: torch.randint(0, 256, t.shape, dtype=torch.uint8)
+                for name, t in caches().items()}
+
+    store = LocalStore()
+    src, dst = fp8_caches(), fp8_caches()
+    writer, reader = WorkerSide(store, fp8_ns, H, D), WorkerSide(store, fp8_ns, H, D)
+    writer.register(src)
+    reader.register(dst)
+    tokens = list(range(8))
+    keys = [bytes(k) for k in BlockHasher(fp8_ns("")).block_keys(tokens)]
+    move = BlockTransfer("r", "", keys, [fp8_ns("").root, *keys[:-1]],
+                         [tokens[:BS], tokens[BS:]], [4, 1], False)
+    writer.save(StepPlan(saves=[move]))
+    writer.flush()
+    reader.load(StepPlan(loads=[dataclasses.replace(move, block_ids=[0, 5])]))
+    assert_loaded_blocks_4_1_into_0_5(reader, src, dst)
+    with pytest.raises(ConfigError, match="is torch.float32, not the torch.uint8"):
+        WorkerSide(store, fp8_ns, H, D).register(caches())
+    as_float8 = {name: t.view(torch.float8_e4m3fn) for name, t in fp8_caches().items()}
+    viewer = WorkerSide(store, fp8_ns, H, D)  # a backend's float8 view: the same bytes
+    viewer.register(as_float8)
+    viewer.load(StepPlan(loads=[dataclasses.replace(move, block_ids=[0, 5])]))
+    assert_loaded_blocks_4_1_into_0_5(viewer, src, {n: t.view(torch.uint8)
+                                                    for n, t in as_float8.items()})
+    viewer.close()
     writer.close()
     reader.close()
 

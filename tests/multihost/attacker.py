@@ -107,7 +107,7 @@ def chain(root: bytes, token_ids: list[int], block_size: int) -> list[tuple[byte
     return out
 
 
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1}
 
 
 def payload_nbytes(ns: dict[str, Any]) -> int:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvstore.ops.operators import kv_cache_scatter, nz_align, paged_cache_load
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int8]
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.uint8]
 INDEX_DTYPES = [torch.int32, torch.int64]
 
 
@@ -58,6 +58,8 @@ def ref_load(key_cache, value_cache, block_table, cl, layout="ND", cumsum=False,
 def make_tensor(shape, dtype, gen=None):
     if dtype == torch.int8:
         return torch.randint(-128, 128, shape, dtype=torch.int8, generator=gen)
+    if dtype == torch.uint8:  # a quantized cache's bytes (vLLM's fp8)
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
     return torch.randn(shape, generator=gen).to(dtype)
 
 

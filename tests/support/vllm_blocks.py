@@ -4,8 +4,9 @@ JOBS`` with a JSON list of jobs ``{"checkpoint", "block_size", "tokens", "block"
 (the instance ran with ``dtype="float32"``, as ``benchmarks.vllm_instance`` runs them), done in
 one process and one connection (a process start costs seconds); one ``CORRUPTED <key>`` line
 each. A job may name a tensor-parallel instance's KV-head slice (``tensor_parallel_size``,
-``shard``). A job with ``"held": true`` damages nothing and prints ``HELD <n>``: how many of
-the prompt's blocks the cluster holds in that namespace.
+``shard``) and its KV cache's dtype (``kv_cache_dtype``). A job with ``"held": true`` damages
+nothing and prints ``HELD <n>``: how many of the prompt's blocks the cluster holds in that
+namespace.
 
 The block is found the way the connector finds it: the namespace kvstore makes for a vLLM CPU
 instance of that checkpoint, the prompt's chained key, its holder in the index; one byte of its
@@ -26,11 +27,16 @@ from tests.support.arena import flip_last_byte
 
 
 def cpu_namespace(checkpoint: str, block_size: int, salt: str | None,
-                  dtype: str = "float32", tensor_parallel_size: int = 1, shard: int = 0) -> Any:
+                  dtype: str = "float32", tensor_parallel_size: int = 1, shard: int = 0,
+                  kv_cache_dtype: str = "auto") -> Any:
     """The namespace ``KVStoreConnector`` makes on a vLLM CPU instance of ``checkpoint`` (the
-    KV-head slice ``shard``, on one of ``tensor_parallel_size`` ranks)."""
+    KV-head slice ``shard``, on one of ``tensor_parallel_size`` ranks; its KV cache in
+    ``kv_cache_dtype``)."""
+    from types import SimpleNamespace
+
     import vllm
 
+    from kvstore.integrations.vllm.connector import kv_cache_format
     from kvstore.integrations.vllm.namespace import (
         ModelGeometry,
         checkpoint_fingerprint,
@@ -40,8 +46,11 @@ def cpu_namespace(checkpoint: str, block_size: int, salt: str | None,
 
     with open(os.path.join(checkpoint, "config.json")) as f:
         cfg = json.load(f)
+    cache_dtype, cache_format = kv_cache_format(
+        SimpleNamespace(cache_dtype=kv_cache_dtype, kv_cache_dtype_skip_layers=[]), dtype)
     geometry = ModelGeometry(
-        checkpoint=checkpoint, dtype=dtype, block_size=block_size,
+        checkpoint=checkpoint, dtype=cache_dtype, kv_cache_format=cache_format,
+        block_size=block_size,
         num_layers=cfg["num_hidden_layers"],
         num_kv_heads=max(1, cfg["num_key_value_heads"] // tensor_parallel_size),
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
@@ -63,7 +72,8 @@ def run(jobs: list[dict[str, Any]]) -> list[str]:
         for job in jobs:
             ns = cpu_namespace(job["checkpoint"], job["block_size"], job.get("salt"),
                                tensor_parallel_size=job.get("tensor_parallel_size", 1),
-                               shard=job.get("shard", 0))
+                               shard=job.get("shard", 0),
+                               kv_cache_dtype=job.get("kv_cache_dtype", "auto"))
             if job.get("held"):
                 found = store.lookup_prefix(ns, BlockHasher(ns).block_keys(job["tokens"]))
                 keys.append(f"HELD {found.num_blocks}")

@@ -73,6 +73,33 @@ class KVStoreMetadata(KVConnectorMetadata):
         self.plan = plan
 
 
+#: vLLM's quantized KV cache formats kvstore holds (vLLM stores them as bytes), by the name
+#: of the format each spelling means (vLLM reads "fp8" as e4m3).
+FP8_FORMATS = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+
+
+def kv_cache_format(cache: Any, model_dtype: str) -> tuple[str, str]:
+    """The KV cache's storage dtype and its format where that is not the model's dtype
+    (``ModelGeometry.kv_cache_format``), from vLLM's ``--kv-cache-dtype``.
+
+    An fp8 cache holds each value as one byte scaled by its layer's k/v scale, which comes
+    from the checkpoint (fingerprinted with it) or is 1.0: the same bytes in every instance
+    of the checkpoint. Formats that keep scales beside each token's values, or that not
+    every layer uses (``kv_cache_dtype_skip_layers``), are refused."""
+    name = cache.cache_dtype
+    if name in ("auto", model_dtype):
+        return model_dtype, ""
+    if name in ("float16", "bfloat16"):
+        return name, f"{name} of {model_dtype}"
+    if name not in FP8_FORMATS:
+        raise ConfigError(f"KVStoreConnector holds a KV cache of kv_cache_dtype auto, float16, "
+                          f"bfloat16, fp8, fp8_e4m3 or fp8_e5m2, not {name!r}")
+    if getattr(cache, "kv_cache_dtype_skip_layers", None):
+        raise ConfigError("KVStoreConnector needs every layer's KV cache in one format: "
+                          "kv_cache_dtype_skip_layers must be empty with an fp8 cache")
+    return "uint8", f"{FP8_FORMATS[name]} of {model_dtype}"
+
+
 def geometry_of(config: VllmConfig) -> ModelGeometry:
     """The instance's KV geometry (one rank's, under tensor parallelism); configurations
     whose KV kvstore cannot hold are refused."""
@@ -84,12 +111,10 @@ def geometry_of(config: VllmConfig) -> ModelGeometry:
             or getattr(parallel, "prefill_context_parallel_size", 1) != 1):
         raise ConfigError("KVStoreConnector needs each rank to hold every token of a block: "
                           "decode and prefill context parallel size 1")
-    if cache.cache_dtype != "auto":
-        raise ConfigError(f"KVStoreConnector needs the KV cache in the model's dtype "
-                          f"(kv_cache_dtype auto), not {cache.cache_dtype!r}")
+    dtype, cache_format = kv_cache_format(cache, str(model.dtype).removeprefix("torch."))
     per_rank = model.get_num_kv_heads(parallel)
     return ModelGeometry(
-        checkpoint=str(model.model), dtype=str(model.dtype).removeprefix("torch."),
+        checkpoint=str(model.model), dtype=dtype, kv_cache_format=cache_format,
         block_size=int(cache.block_size), num_layers=model.get_num_layers(parallel),
         num_kv_heads=per_rank, head_dim=model.get_head_size(),
         tensor_parallel_size=int(parallel.tensor_parallel_size),

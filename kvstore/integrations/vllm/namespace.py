@@ -3,8 +3,9 @@
 Blocks are shared only between instances that would compute the same KV bytes: the same
 checkpoint (config and every weight, fingerprinted from the checkpoint's files the way kvstore
 fingerprints a loaded model), dtype, vLLM block size, layers, KV heads and head size, and the
-same arithmetic (the numerics tag: device kind, torch and vLLM versions, attention backend). A
-request's ``cache_salt`` is its tenant: two salts never share a block.
+same arithmetic (the numerics tag: device kind, torch and vLLM versions, attention backend,
+and the KV cache's format where it is not the model's dtype). A request's ``cache_salt`` is its
+tenant: two salts never share a block.
 
 Under tensor parallelism each rank holds a slice of the KV heads (or, with fewer KV heads than
 ranks, one head that several ranks hold alike), and computes it with the all-reduces of its
@@ -32,13 +33,16 @@ class ModelGeometry:
     """What a vLLM instance's KV looks like, as its config says."""
 
     checkpoint: str
-    dtype: str
+    dtype: str  # the KV cache's storage dtype (``uint8`` for vLLM's fp8 formats)
     block_size: int
     num_layers: int
     num_kv_heads: int  # per rank
     head_dim: int
     tensor_parallel_size: int = 1
     total_kv_heads: int = 0  # the model's, all ranks together (0: ``num_kv_heads``)
+    #: The KV cache's format where it is not the model's own dtype, e.g. ``fp8_e4m3 of
+    #: float32`` ("": the model's dtype). The bytes of one format mean nothing in another.
+    kv_cache_format: str = ""
 
     @property
     def num_shards(self) -> int:
@@ -156,9 +160,9 @@ def namespace(geometry: ModelGeometry, fingerprint: str, tag: str, cache_salt: s
     store nodes rebuild it. ``weights``: the instance's weights version since its cache was
     last reset ("" while they are the checkpoint's; ``weights_fingerprint``). ``shard``: the
     KV-head slice, under tensor parallelism (``ModelGeometry.shard_of_rank``)."""
-    label = geometry.shard_label(shard)
+    cache = f"kv cache {geometry.kv_cache_format}" if geometry.kv_cache_format else ""
+    numerics = "|".join(part for part in (tag, cache, geometry.shard_label(shard)) if part)
     return Namespace(weights_fingerprint(fingerprint, weights), geometry.dtype,
                      geometry.block_size, geometry.num_layers, geometry.num_kv_heads,
-                     geometry.head_dim, cache_salt or "",
-                     numerics=f"{tag}|{label}" if label else tag, data_key=data_key,
-                     tenant_key=tenant_key)
+                     geometry.head_dim, cache_salt or "", numerics=numerics,
+                     data_key=data_key, tenant_key=tenant_key)

@@ -43,6 +43,7 @@ from kvstore.api import BlockPut, FetchedBlock
 from kvstore.block import block_nbytes, payload_offset
 from kvstore.client.block_buffers import new_rows
 from kvstore.client.verify_pool import cap_threads
+from kvstore.errors import ConfigError
 from kvstore.integrations.vllm.layer_loads import Fetched, LayerLoads, on_cuda, touched_rows
 from kvstore.integrations.vllm.paged_layout import (
     LayerCache,
@@ -93,6 +94,18 @@ PRELOAD_BYTES = 64 << 20
 #: The longest a put waits for the step that completed its blocks to hand its output back
 #: (it waits for the next step's start; this is for an engine left idle).
 SAVE_DEFER_S = 0.005
+
+
+def as_namespace_dtype(name: str, cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Layer ``name``'s cache as the namespace's dtype: the blocks' bytes are the cache's, never
+    converted on the way. vLLM stores fp8 caches as bytes (a backend may hand them over as a
+    float8 dtype: the same bytes, viewed as ``uint8``); any other dtype is refused."""
+    if cache.dtype == dtype:
+        return cache
+    if dtype == torch.uint8 and cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return cache.view(torch.uint8)
+    raise ConfigError(f"vLLM's KV cache of {name} is {cache.dtype}, not the {dtype} its "
+                      "kv_cache_dtype says: kvstore cannot hold it")
 
 
 class WorkerSide:
@@ -153,8 +166,9 @@ class WorkerSide:
         first request does not pay for it, and on a CPU starts mapping its arena (off the
         forward's cores where there are spare ones), so loads take no page faults."""
         names = sorted(kv_caches, key=layer_order)
-        self.layers = [layer_cache(kv_caches[name], self.num_kv_heads, self.head_dim)
-                       for name in names]
+        self.layers = [layer_cache(as_namespace_dtype(name, kv_caches[name],
+                                                      self.namespace_of("").torch_dtype),
+                                   self.num_kv_heads, self.head_dim) for name in names]
         self._layer_index = {name: i for i, name in enumerate(names)}
         on_cpu = bool(self.layers) and not on_cuda(self.layers[0].key.device)
         if on_cpu and self.layerwise is not False and self._spare is None:

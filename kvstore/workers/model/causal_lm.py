@@ -31,7 +31,7 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicLayer
 
-from kvstore.config import WorkerConfig
+from kvstore.config import WORKER_DTYPES, WorkerConfig
 from kvstore.errors import ConfigError
 from kvstore.keys import DTYPES, Namespace
 from kvstore.workers.model.attention import padded_implementation
@@ -303,7 +303,7 @@ def _load(spec: str, seed: int, where: WorkerDevice, num_threads: int | None,
           numerics: str) -> CausalLM:
     attn_implementation, dtype = where.attn_implementation, where.dtype
     padded_implementation(attn_implementation)  # refuse an unknown one before loading
-    if dtype not in DTYPES or dtype == "int8":
+    if dtype not in WORKER_DTYPES:
         raise ConfigError(f"model dtype {dtype!r} is not supported; use float32, float16 or "
                           "bfloat16")
     if num_threads is not None:
