@@ -29,8 +29,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 # A new GCS has 30 s to write its port file. On a loaded 2-core CI box one start missed it
 # (a module's cluster fixture failed: "Timed out waiting for file .../gcs_server_port_...").
 # Ray's documented override, inherited by every Ray process a test starts; a start that
-# still misses it is retried once (tests/support/local_ray.py).
-os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+# still misses it is retried once (tests/support/local_ray.py). Not longer: a GCS that died
+# at start (seen once, re-starting the session's Ray after a multi-node module) never writes
+# the file, and the suite waited out all 120 s of an earlier setting before the retry.
+os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "60")
 # A Ray node that gets SIGTERM drains for up to 30 s first (for Serve on Kubernetes). Every
 # cluster a test starts is thrown away whole, so each stop would only wait that drain out.
 os.environ.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
