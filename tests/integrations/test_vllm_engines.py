@@ -15,13 +15,14 @@ Skips where vLLM is not installed, unless ``KVSTORE_REQUIRE_VLLM=1``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 
 from tests.support import vllm_engines
-from tests.support.checkpoint import build_checkpoint
-from tests.support.vllm_engines import assert_same, kvstore_cluster, support_script
+from tests.support.vllm_engines import (
+    assert_same,
+    support_script,
+)
 
 if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
@@ -48,19 +49,6 @@ ALL = PROMPTS + DAMAGED_PROMPTS + SYNC_DAMAGED_PROMPTS + LATE_PROMPTS
 #: B's results: the batch (0-3), the damaged prefix loaded alone (4), the next turn after
 #: ``TURN`` and the same with the connector bypassed (5, 6), then the late prompts.
 SYNC_RESULT, NEXT_TURN, NEXT_TURN_BYPASSED, LATE_RESULTS = 4, 5, 6, slice(7, None)
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[dict[str, str]]:
-    with kvstore_cluster(tmp_path_factory.mktemp("state")) as env:
-        yield env
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    # head_dim 32: the smallest head size vLLM's CPU attention supports.
-    return str(build_checkpoint(tmp_path_factory.mktemp("ck") / "m", config_overrides=dict(
-        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)))
 
 
 def run_engine(env: dict[str, str], checkpoint: str, prompts: list[list[int]],

@@ -18,14 +18,17 @@ so. Skips where vLLM is not installed, unless ``KVSTORE_REQUIRE_VLLM=1``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from tests.support import vllm_engines
-from tests.support.checkpoint import build_checkpoint
-from tests.support.vllm_engines import assert_same, kvstore_cluster, support_script
+from tests.support.vllm_engines import (
+    HEAD_DIM,
+    KV_HEADS,
+    assert_same,
+    support_script,
+)
 
 if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
@@ -40,21 +43,7 @@ pytestmark = [
 BLOCK = 32
 SYSTEM = [(i * 47) % 350 + 5 for i in range(300)]  # 9 full blocks and 12 tokens
 PROMPTS = [SYSTEM + [11, 12, 13], SYSTEM + [21, 22, 23, 24, 25]]
-LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[dict[str, str]]:
-    with kvstore_cluster(tmp_path_factory.mktemp("state")) as env:
-        yield env
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    # head_dim 32: vLLM's CPU attention needs a multiple of 32 for an fp8 cache.
-    return str(build_checkpoint(tmp_path_factory.mktemp("ck") / "m", config_overrides=dict(
-        hidden_size=128, num_attention_heads=4, num_key_value_heads=KV_HEADS,
-        intermediate_size=256)))
+LAYERS = 2
 
 
 def run_engine(env: dict[str, str], checkpoint: str, **extra: object) -> list[dict]:

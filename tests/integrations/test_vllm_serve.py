@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 
-from tests.support.checkpoint import build_checkpoint
 from tests.support.serve_process import ServeProcess, start_serve
 
 if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
@@ -45,13 +44,6 @@ PROMPTS = [SYSTEM + q for q in QUESTIONS]
 ENV = {"RAY_AUTH_MODE": "disabled", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}
 ENGINE_ARGS = {"dtype": "float32", "block_size": BLOCK, "max_model_len": 2048,
                "gpu_memory_utilization": 0.15, "enforce_eager": True}
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    # head_dim 32: the smallest head size vLLM's CPU attention supports.
-    return str(build_checkpoint(tmp_path_factory.mktemp("ck") / "m", config_overrides=dict(
-        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)))
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,14 @@ Skips where vLLM is not installed, unless ``KVSTORE_REQUIRE_VLLM=1``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 
 from tests.support import vllm_engines
-from tests.support.checkpoint import build_checkpoint
-from tests.support.vllm_engines import assert_same, kvstore_cluster, support_script
+from tests.support.vllm_engines import (
+    assert_same,
+    support_script,
+)
 
 if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e '.[vllm]')")
@@ -29,24 +30,13 @@ if os.environ.get("KVSTORE_REQUIRE_VLLM") != "1":
 pytestmark = pytest.mark.timeout(1200)
 
 TP = 2
+OMP_BIND = "0|1"  # each rank's forward on a core of its own (the cluster fixture)
 BLOCK = 32
 SYSTEM = [(i * 41) % 350 + 5 for i in range(300)]  # 9 full blocks and 12 tokens
 PROMPTS = [SYSTEM + [11, 12, 13], SYSTEM + [21, 22, 23, 24, 25]]
 DAMAGED = [(i * 43) % 350 + 8 for i in range(200)]  # 6 full blocks and 8 tokens
 DAMAGED_PROMPTS = [DAMAGED + [41, 42], DAMAGED + [43, 44, 45]]
 ALL = PROMPTS + DAMAGED_PROMPTS
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[dict[str, str]]:
-    with kvstore_cluster(tmp_path_factory.mktemp("state"), omp_bind="0|1") as env:
-        yield env
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return str(build_checkpoint(tmp_path_factory.mktemp("ck") / "m", config_overrides=dict(
-        hidden_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256)))
 
 
 def run_engine(env: dict[str, str], checkpoint: str, **extra: object) -> list[dict]:

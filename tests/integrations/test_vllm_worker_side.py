@@ -37,6 +37,15 @@ def transfer(tokens: list[int], block_ids: list[int], rid: str = "r",
                          asynchronous, weights=weights)
 
 
+def registered_pair(store: LocalStore, namespace_of, src: dict[str, torch.Tensor],
+                    dst: dict[str, torch.Tensor]) -> tuple[WorkerSide, WorkerSide]:
+    """Two instances' worker sides on one store: a writer over ``src``, a reader over ``dst``."""
+    writer, reader = WorkerSide(store, namespace_of, H, D), WorkerSide(store, namespace_of, H, D)
+    writer.register(src)
+    reader.register(dst)
+    return writer, reader
+
+
 def forward(worker: WorkerSide, layers: int = L) -> None:
     """What vLLM does around a forward: each attention layer waits for its load, in order."""
     for i in range(layers):
@@ -91,9 +100,7 @@ def test_an_fp8_caches_bytes_load_bitwise_and_a_cache_of_another_dtype_is_refuse
 
     store = LocalStore()
     src, dst = fp8_caches(), fp8_caches()
-    writer, reader = WorkerSide(store, fp8_ns, H, D), WorkerSide(store, fp8_ns, H, D)
-    writer.register(src)
-    reader.register(dst)
+    writer, reader = registered_pair(store, fp8_ns, src, dst)
     tokens = list(range(8))
     keys = [bytes(k) for k in BlockHasher(fp8_ns("")).block_keys(tokens)]
     move = BlockTransfer("r", "", keys, [fp8_ns("").root, *keys[:-1]],
@@ -321,9 +328,7 @@ def test_each_transfer_is_saved_and_loaded_under_its_own_weights_version() -> No
     the worker saves there, and a load under the old version finds none of it."""
     store = LocalStore()
     src, dst = caches(), caches()
-    writer, reader = WorkerSide(store, ns, H, D), WorkerSide(store, ns, H, D)
-    writer.register(src)
-    reader.register(dst)
+    writer, reader = registered_pair(store, ns, src, dst)
     tokens = list(range(8))
     writer.save(StepPlan(saves=[transfer(tokens, [4, 1], weights="v2")]))
     writer.flush()

@@ -14,8 +14,21 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+#: The engine tests' model: two KV heads of 32 (the smallest head size vLLM's CPU attention
+#: supports, and a multiple of 32, as its fp8 cache needs).
+KV_HEADS, HEAD_DIM = 2, 32
+
+
+def engine_checkpoint(tmp_path_factory: Any) -> str:
+    """A small real-format checkpoint of the engine tests' shape, in a fresh directory."""
+    from tests.support.checkpoint import build_checkpoint
+
+    return str(build_checkpoint(tmp_path_factory.mktemp("ck") / "m", config_overrides=dict(
+        hidden_size=4 * HEAD_DIM, num_attention_heads=4, num_key_value_heads=KV_HEADS,
+        intermediate_size=256)))
 
 
 @contextmanager
