@@ -28,7 +28,10 @@ timed after all the prompts instead, each then as cold in the CPU's caches as a 
 ``phases`` (a list of such jobs' prompt settings: ``prompts``, ``salts``, ``together``,
 ``bypass``, ``stop_cluster_after``, ``reset_connector``: the connector's cache reset too, as
 after a weight update; ``save_generated``: each request asks the connector to save its
-generated blocks too) runs one after another on the same engine, vLLM's own prefix cache
+generated blocks too; ``prefill_leg``: each request is a P/D proxy's prefill leg
+(``do_remote_decode``), whose result keeps the ``kv_transfer_params`` vLLM answered;
+``kv_transfer_params``: one per prompt, a decode leg's, as such a proxy forwards them) runs
+one after another on the same engine, vLLM's own prefix cache
 reset before each phase, so a test pays for one engine start, not one per phase;
 their results are printed as one list, in order.
 
@@ -56,6 +59,8 @@ WARMUP_PROMPT = [3 + (i * 7919) % 300 for i in range(288)]
 BYPASS = {"kv_transfer_params": {"kvstore_bypass": True}}
 #: A request's ``extra_args`` that has kvstore's connector save its generated blocks too.
 SAVE_GENERATED = {"kv_transfer_params": {"kvstore_save_generated": True}}
+#: A request's ``extra_args`` as a P/D proxy sends its prefill leg.
+PREFILL_LEG = {"kv_transfer_params": {"do_remote_decode": True}}
 
 
 def run(job: dict[str, Any]) -> list[dict[str, Any]]:
@@ -110,10 +115,12 @@ def _phase(llm: Any, job: dict[str, Any], phase: dict[str, Any]) -> list[dict[st
     from vllm import SamplingParams
 
     extra = BYPASS if phase.get("bypass") else SAVE_GENERATED \
-        if phase.get("save_generated") else None
-    first = SamplingParams(max_tokens=1, temperature=0, extra_args=extra)
-    params = SamplingParams(max_tokens=job["max_tokens"], temperature=0, logprobs=1,
-                            extra_args=extra)
+        if phase.get("save_generated") else PREFILL_LEG if phase.get("prefill_leg") else None
+    legs = phase.get("kv_transfer_params") or [None] * len(phase["prompts"])
+    extras = [{"kv_transfer_params": leg} if leg else extra for leg in legs]
+    first = [SamplingParams(max_tokens=1, temperature=0, extra_args=e) for e in extras]
+    params = [SamplingParams(max_tokens=job["max_tokens"], temperature=0, logprobs=1,
+                             extra_args=e) for e in extras]
     salts = phase.get("salts") or [None] * len(phase["prompts"])
     requests = [_prompt(p, salt) for p, salt in zip(phase["prompts"], salts, strict=True)]
     if phase.get("together"):  # one batch: vLLM admits and decodes them together (no TTFT)
@@ -124,11 +131,11 @@ def _phase(llm: Any, job: dict[str, Any], phase: dict[str, Any]) -> list[dict[st
     floors_after = phase.get("floors_after") or job.get("floors_after")
     for n, request in enumerate(requests):
         t0 = time.perf_counter()
-        [head] = llm.generate([request], first, use_tqdm=False)
+        [head] = llm.generate([request], first[n], use_tqdm=False)
         ttft = time.perf_counter() - t0
         if os.environ.get("KVSTORE_TIMELINE"):  # tools is not a package mypy reads twice
             importlib.import_module("tools.vllm_timeline").mark(f"prompt-{n}", t0, t0 + ttft)
-        [out] = llm.generate([request], params, use_tqdm=False)
+        [out] = llm.generate([request], params[n], use_tqdm=False)
         results.append(_result(out, ttft, head.num_cached_tokens))
         if floors and floors[n] and not floors_after:
             _time_floor(llm, _prompt(floors[n], salts[n]), n, results[-1])
@@ -170,7 +177,7 @@ def _result(out: Any, ttft: float | None, cached: int | None) -> dict[str, Any]:
     logprobs = [max(step.values(), key=lambda lp: lp.logprob).logprob
                 for step in out.outputs[0].logprobs or []]
     return {"ttft_s": ttft, "tokens": list(out.outputs[0].token_ids), "logprobs": logprobs,
-            "cached": cached}
+            "cached": cached, "kv_transfer_params": out.kv_transfer_params}
 
 
 def main() -> None:

@@ -45,10 +45,14 @@ LATE_PROMPTS = [LATE + [51], LATE + [52, 53], LATE + [54, 55, 56]]
 SALTED = SYSTEM + [31, 32, 33]
 #: A turn whose answer fills a block: 1 full block and 28 tokens, then 8 generated.
 TURN = [(i * 31) % 350 + 4 for i in range(60)]
-ALL = PROMPTS + DAMAGED_PROMPTS + SYNC_DAMAGED_PROMPTS + LATE_PROMPTS
+#: Sent as a P/D proxy sends it: A's prefill leg, then B's decode leg. 3 full blocks, 4 tokens.
+HANDOFF = [(i * 23) % 350 + 3 for i in range(100)]
+ALL = PROMPTS + DAMAGED_PROMPTS + SYNC_DAMAGED_PROMPTS + LATE_PROMPTS + [HANDOFF]
 #: B's results: the batch (0-3), the damaged prefix loaded alone (4), the next turn after
-#: ``TURN`` and the same with the connector bypassed (5, 6), then the late prompts.
-SYNC_RESULT, NEXT_TURN, NEXT_TURN_BYPASSED, LATE_RESULTS = 4, 5, 6, slice(7, None)
+#: ``TURN`` and the same with the connector bypassed (5, 6), the decode leg of ``HANDOFF``
+#: (7), then the late prompts.
+SYNC_RESULT, NEXT_TURN, NEXT_TURN_BYPASSED, DECODE_LEG = 4, 5, 6, 7
+LATE_RESULTS = slice(8, None)
 
 
 def run_engine(env: dict[str, str], checkpoint: str, prompts: list[list[int]],
@@ -63,7 +67,8 @@ def instance_a(cluster, checkpoint) -> list[dict]:
     """Instance A: every prompt of the module with the connector bypassed (kvstore neither
     read nor written: the reference), then the first prompt of each shared prefix, which
     publishes its blocks (one of them as tenant ``tenant-a``). Then ``TURN``, its generated
-    blocks saved too (``TURN_RESULT``). Then the first prompt again twice (``AFTER_RESET``):
+    blocks saved too (``TURN_RESULT``), and ``HANDOFF`` as a P/D proxy's prefill leg
+    (``PREFILL_LEG``). Then the first prompt again twice (``AFTER_RESET``):
     after vLLM reset its caches and the connector's, as it does when weights were updated in
     place, then after a reset of vLLM's own cache only."""
     return run_engine(cluster, checkpoint, [], [], phases=[
@@ -71,12 +76,13 @@ def instance_a(cluster, checkpoint) -> list[dict]:
         {"prompts": [PROMPTS[0], DAMAGED_PROMPTS[0], SALTED, SYNC_DAMAGED_PROMPTS[0]],
          "salts": [None, None, "tenant-a", None]},
         {"prompts": [TURN], "save_generated": True},
+        {"prompts": [HANDOFF], "prefill_leg": True},
         {"prompts": [PROMPTS[0]], "reset_connector": True},
         {"prompts": [PROMPTS[0]]}])
 
 
-TURN_RESULT = len(ALL) + 4
-AFTER_RESET = slice(len(ALL) + 5, len(ALL) + 7)
+TURN_RESULT, PREFILL_LEG = len(ALL) + 4, len(ALL) + 5
+AFTER_RESET = slice(len(ALL) + 6, len(ALL) + 8)
 
 
 @pytest.fixture(scope="module")
@@ -91,17 +97,18 @@ def reference(instance_a) -> dict[tuple[int, ...], dict]:
 
 
 @pytest.fixture(scope="module")
-def fresh(cluster, checkpoint, reference, next_turn) -> tuple[list[dict], str,
-                                                             dict[str, float]]:
+def fresh(cluster, checkpoint, instance_a, reference, next_turn
+          ) -> tuple[list[dict], str, dict[str, float]]:
     """A fresh instance B, after block 3 of the damaged prefix and block 2 of the other one
     were corrupted in the store node's arena: one batch of the second question, the salted
     prompt as two tenants and the damaged prompt's second question. vLLM admits them
     together, so the first loads in its forward and the others asynchronously (``load_mode``
     auto: others are in flight). Then the other damaged prefix's second question alone (in
     its forward). Then the next turn of ``TURN``'s conversation, and the same with the
-    connector bypassed. Then, one by one, three prompts of another prefix, the module's cluster
-    stopped after the first (``LATE_RESULTS``). Its results, its log, and kvstore's counters on
-    its vLLM metrics."""
+    connector bypassed. Then ``HANDOFF``'s decode leg, with the ``kv_transfer_params`` A's
+    prefill leg answered (as a P/D proxy forwards them). Then, one by one, three prompts of
+    another prefix, the module's cluster stopped after the first (``LATE_RESULTS``). Its
+    results, its log, and kvstore's counters on its vLLM metrics."""
     jobs = [{"checkpoint": checkpoint, "block_size": BLOCK, "tokens": tokens, "block": block}
             for tokens, block in ((DAMAGED, 3), (SYNC_DAMAGED, 2))]
     assert support_script(cluster, "vllm_blocks", jobs).count("CORRUPTED") == 2
@@ -112,6 +119,8 @@ def fresh(cluster, checkpoint, reference, next_turn) -> tuple[list[dict], str,
          "salts": [None, "tenant-b", "tenant-a", None], "together": True},
         {"prompts": [SYNC_DAMAGED_PROMPTS[1]]},
         {"prompts": [next_turn]}, {"prompts": [next_turn], "bypass": True},
+        {"prompts": [HANDOFF],
+         "kv_transfer_params": [instance_a[PREFILL_LEG]["kv_transfer_params"]]},
         {"prompts": LATE_PROMPTS, "stop_cluster_after": 0}])
     return results, logs[0], metrics
 
@@ -195,3 +204,18 @@ def test_vllms_own_metrics_count_what_kvstore_loaded_and_what_vllm_recomputed(fr
                  if name.startswith("vllm:prompt_tokens_cached_by_source:")}
     assert by_source.get("host", 0) >= 2 * (len(SYSTEM) // BLOCK * BLOCK), by_source
     assert not by_source.get("p2p") and not by_source.get("external_unspecified"), by_source
+
+
+def test_behind_a_pd_proxy_the_decode_leg_loads_what_the_prefill_leg_published(
+        instance_a, reference, fresh):
+    """vLLM's P/D proxies send the prefill leg with ``do_remote_decode`` and forward its
+    answer's ``kv_transfer_params`` to the decode leg: A answers how many blocks it published
+    (``handoff``), and B, holding the request until kvstore has them, loads them all and
+    generates what the same engine generates computing the whole prompt."""
+    full = (len(HANDOFF) - 1) // BLOCK
+    assert instance_a[PREFILL_LEG]["kv_transfer_params"] == {
+        "do_remote_prefill": True, "do_remote_decode": False, "kvstore_blocks": full}
+    assert instance_a[TURN_RESULT]["kv_transfer_params"] is None  # not a prefill leg
+    got = fresh[0][DECODE_LEG]
+    assert got["cached"] == full * BLOCK
+    assert_same(got, reference[tuple(HANDOFF)])

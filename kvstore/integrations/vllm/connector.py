@@ -198,7 +198,9 @@ class KVStoreConnector(KVConnectorBase_V1):
                 self.store, self.namespace_of, geometry.block_size,
                 save=save and tenants.may_write, load=load,
                 load_mode=str(extra.get("load_mode", "auto")), salt_for=tenants.salt_for,
-                shards=geometry.num_shards, save_generated=bool(extra.get("save_generated")))
+                shards=geometry.num_shards, save_generated=bool(extra.get("save_generated")),
+                publish_wait_s=float(extra.get("publish_wait_s",
+                                               config.worker.publish_wait_s)))
             self.scheduler_side.warm_up()
         else:
             self.worker_side = WorkerSide(
@@ -304,5 +306,5 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler().finished(request.request_id)
-        return False, None
+        params = getattr(request, "kv_transfer_params", None)
+        return False, self._scheduler().finished(request.request_id, params)

@@ -20,7 +20,9 @@ their decoding.
 A save-only instance (``kv_producer``) still looks the prompt up, so it never gathers and puts
 again the blocks kvstore already holds (a shared system prompt, every request). A request whose
 ``kv_transfer_params`` carry ``{"kvstore_bypass": true}`` neither loads nor saves: the
-reference run of ``kvstore serve``'s ``bypass_cache`` through the same engine.
+reference run of ``kvstore serve``'s ``bypass_cache`` through the same engine. Behind vLLM's
+own P/D proxies a prefill leg's answer says how many blocks it published and the decode leg
+waits for them (``handoff``).
 
 With ``save_generated`` (the instance's default; a request's ``kv_transfer_params``
 ``{"kvstore_save_generated": true/false}`` overrides it) the blocks a request's generated tokens
@@ -38,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvstore.integrations.vllm.handoff import PublishWait, blocks_to_wait_for, prefill_answer
 from kvstore.integrations.vllm.plans import BlockTransfer, StepPlan
 from kvstore.keys import BlockHasher, Namespace
 
@@ -88,13 +91,15 @@ class SchedulerSide:
     def __init__(self, store: Any, namespace_of: Any, block_size: int, save: bool = True,
                  load: bool = True, load_mode: str = "auto",
                  salt_for: Callable[[str | None], str | None] | None = None,
-                 shards: int = 1, save_generated: bool = False) -> None:
+                 shards: int = 1, save_generated: bool = False,
+                 publish_wait_s: float = 10.0) -> None:
         """``salt_for``: a request's namespace salt from its ``cache_salt``, None where the
         instance may not cache it (``tenancy.Tenancy.salt_for``; default: the salt itself).
         ``shards``: the KV-head slices the instance's tensor-parallel ranks hold
         (``namespace.ModelGeometry.num_shards``): a prefix is a hit only as far as every
         slice holds it, and each slice's blocks travel on their own. ``save_generated``: save
-        the blocks generated tokens fill, unless a request says otherwise."""
+        the blocks generated tokens fill, unless a request says otherwise.
+        ``publish_wait_s``: how long a decode leg waits for its prefill's blocks (``handoff``)."""
         if load_mode not in LOAD_MODES:
             raise ValueError(f"load_mode {load_mode!r}: expected one of {', '.join(LOAD_MODES)}")
         self.store = store
@@ -109,6 +114,7 @@ class SchedulerSide:
         self.weights = ""  # the weights version: "" until vLLM resets the cache (reset)
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: list[str] = []
+        self._publish_wait = PublishWait(publish_wait_s)
 
     def reset(self) -> None:
         """vLLM reset its caches, as it does after updating the weights in place: from now
@@ -128,10 +134,14 @@ class SchedulerSide:
                         "it answers): %s", exc)
 
     # -- lookups -------------------------------------------------------------------------
-    def matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def matched_tokens(self, request: Any, num_computed_tokens: int
+                       ) -> tuple[int | None, bool]:
         """Tokens kvstore can supply beyond vLLM's own ``num_computed_tokens``, and whether
-        they load asynchronously."""
+        they load asynchronously; None while a decode leg waits for its prefill's blocks
+        (vLLM asks again at a later step)."""
         others = len(self._requests) - (request.request_id in self._requests)
+        if not self._prefill_published(request, num_computed_tokens):
+            return None, False
         tracked = self._track(request, num_computed_tokens)
         tracked.local_blocks = num_computed_tokens // self.block_size
         extra = max(0, tracked.hit_blocks * self.block_size - num_computed_tokens)
@@ -140,6 +150,25 @@ class SchedulerSide:
         tracked.load_async = self.load_mode == "async" or (self.load_mode == "auto"
                                                            and others > 0)
         return extra, tracked.load_async
+
+    def _prefill_published(self, request: Any, num_computed_tokens: int) -> bool:
+        """False while a decode leg's prefill blocks are not all in kvstore yet (each look
+        is a fresh lookup), up to ``publish_wait_s``; True for any other request."""
+        wanted = blocks_to_wait_for(getattr(request, "kv_transfer_params", None))
+        if not (self.load and wanted):
+            return True
+        if not self._publish_wait.due(request.request_id):
+            return False
+        usable = (len(request.prompt_token_ids or []) - 1) // self.block_size
+        tracked = self._track(request, num_computed_tokens)
+        if not tracked.num_blocks:  # bypassed or another tenant's: nothing of it comes
+            self._publish_wait.forget(request.request_id)
+            return True
+        held = max(tracked.hit_blocks, num_computed_tokens // self.block_size)
+        if self._publish_wait.ready(request.request_id, held, min(wanted, usable)):
+            return True
+        self._release(self._requests.pop(request.request_id))  # looked up again next time
+        return False
 
     def _track(self, request: Any, num_computed_tokens: int = 0) -> _Tracked:
         known = self._requests.get(request.request_id)
@@ -327,7 +356,16 @@ class SchedulerSide:
                 except Exception as exc:  # it runs to its TTL: memory held a while
                     log.debug("releasing a lookup's lease failed: %s", exc)
 
-    def finished(self, request_id: str) -> None:
+    def finished(self, request_id: str, params: Any = None) -> dict[str, Any] | None:
+        """The request ended; the ``kv_transfer_params`` its response carries: a prefill
+        leg's (its ``params`` asked with ``do_remote_decode``) says how many of its prompt's
+        blocks are in kvstore or on their way (``handoff.prefill_answer``)."""
         tracked = self._requests.pop(request_id, None)
-        if tracked is not None:
-            self._release(tracked)
+        self._publish_wait.forget(request_id)
+        if tracked is None:
+            return None
+        self._release(tracked)
+        if not self.save:
+            return None
+        return prefill_answer(params, min(tracked.saved_blocks,
+                                          len(tracked.tokens) // self.block_size))
