@@ -78,7 +78,10 @@ def instance_a(cluster, checkpoint) -> list[dict]:
         {"prompts": [TURN], "save_generated": True},
         {"prompts": [HANDOFF], "prefill_leg": True},
         {"prompts": [PROMPTS[0]], "reset_connector": True},
-        {"prompts": [PROMPTS[0]]}])
+        # The phase before published off its forward path: wait for those blocks as a
+        # decode leg waits for its prefill's (handoff), or a loaded machine races the put.
+        {"prompts": [PROMPTS[0]],
+         "kv_transfer_params": [{"kvstore_blocks": (len(PROMPTS[0]) - 1) // BLOCK}]}])
 
 
 TURN_RESULT, PREFILL_LEG = len(ALL) + 4, len(ALL) + 5
