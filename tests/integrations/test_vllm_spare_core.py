@@ -8,6 +8,7 @@ the same thread; every lease ends."""
 from __future__ import annotations
 
 import os
+import pickle
 
 import pytest
 import torch
@@ -114,8 +115,11 @@ def test_leased_blocks_load_from_the_arena_bitwise_without_a_fetch(cluster) -> N
     worker, store, dst = reader(cluster)
     fetched: list[object] = []
     worker._fetch_step = lambda ts, out=None: fetched.append(ts) or []  # type: ignore[method-assign]
-    # Blocks 0..3 of the prompt into vLLM blocks 5, 6, 7 (one run) and 1.
-    worker.load(StepPlan(loads=[leased(store, transfer(tokens, [5, 6, 7, 1]))]))
+    # Blocks 0..3 of the prompt into vLLM blocks 5, 6, 7 (one run) and 1, the plan pickled
+    # as it crosses from vLLM's scheduler process to its worker.
+    plan = StepPlan(loads=[leased(store, transfer(tokens, [5, 6, 7, 1]))])
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    worker.load(pickle.loads(pickle.dumps(plan)))
     assert isinstance(worker._step, SpareCoreStep)
     forward(worker)
     assert worker.load_errors() == set() and fetched == [] and worker.loaded_blocks == 4

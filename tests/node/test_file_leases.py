@@ -5,6 +5,7 @@ asked for again, never a wrong byte)."""
 
 from __future__ import annotations
 
+import pickle
 import threading
 from pathlib import Path
 
@@ -41,6 +42,8 @@ def test_a_cold_disk_block_is_leased_as_its_file_and_a_hot_one_promoted(make_tie
     for k, b in zip(keys[4:], blocks[4:], strict=True):  # in the arena: as ever
         assert not where[k].path
         assert bytes(pool.leased_bytes(where[k].offset, where[k].nbytes)) == b
+    # A lease crosses processes pickled (vLLM's plans): every field of each kind survives.
+    assert pickle.loads(pickle.dumps(lease.locations)) == lease.locations
     pool.release(lease.lease_id)
     assert pool.counters.promotions == 0 and pool.counters.disk_hits == 4
     assert pool.arena.held(keys[:4]) == [False] * 4  # a cold read leaves the arena alone
