@@ -174,7 +174,10 @@ class SchedulerSide:
         known = self._requests.get(request.request_id)
         if known is not None:
             return known
-        tokens = [int(t) for t in (request.prompt_token_ids or [])]
+        prompt = request.prompt_token_ids or []
+        # vLLM's is a list of ints: copied as it is (converting each token again was a
+        # quarter of the lookup's own work, on every warm request); anything else token by token
+        tokens = list(prompt) if type(prompt) is list else [int(t) for t in prompt]
         salt = self.salt_for(request.cache_salt)
         params = getattr(request, "kv_transfer_params", None)
         bypass = isinstance(params, dict) and bool(params.get("kvstore_bypass"))

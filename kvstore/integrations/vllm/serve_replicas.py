@@ -6,9 +6,12 @@ Each replica runs one vLLM ``AsyncLLM`` whose KV connector is kvstore's: prefill
 
 1. prefill: the prompt with ``max_tokens=1``; the connector publishes its full blocks off the
    forward path, and the first token goes back to the front end at once;
-2. decode: waits (up to ``worker.publish_wait_s``) until kvstore holds those blocks, then runs
-   the prompt plus the first token; its connector loads the blocks, so vLLM computes only the
-   tail after the last full block, and the tokens stream back as vLLM makes them.
+2. decode: runs the prompt plus the first token, its ``kv_transfer_params`` naming the blocks
+   the prefill publishes (``handoff.BLOCKS_PARAM``), as vLLM's own P/D proxies hand a
+   prefill's answer on: the connector holds the request in vLLM's scheduler (its other
+   requests go on decoding) until kvstore holds those blocks, up to ``publish_wait_s``, then
+   loads them, so vLLM computes only the tail after the last full block; the tokens stream
+   back as vLLM makes them.
 
 ``AsyncLLM`` schedules every request a replica has in flight together, so concurrent requests
 decode in one forward (vLLM's continuous batching); ``stats()`` reports the largest batch the
@@ -19,9 +22,7 @@ coalescing of shared prefixes are the same as with kvstore's own engine.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -41,11 +42,9 @@ from kvstore.config import KVStoreConfig
 from kvstore.errors import KVStoreError
 from kvstore.frontend.serve_replicas import EngineCall
 from kvstore.integrations.vllm.engine_shm import engine_segments, remove_segments
-from kvstore.keys import BlockHasher, Namespace
+from kvstore.integrations.vllm.handoff import BLOCKS_PARAM
+from kvstore.keys import Namespace
 from kvstore.workers.model.sampling import SamplingParams
-
-#: How often a decode replica asks whether a prefill's blocks are in kvstore yet.
-BLOCK_POLL_S = 0.005
 
 
 @dataclass(slots=True)
@@ -107,11 +106,11 @@ def _replica_id(role: str) -> str:
 
 
 class _VLLMReplica:
-    """What both roles share: the engine, the store client, the namespace, the counters."""
+    """What both roles share: the engine, the namespace, the counters."""
 
     def __init__(self, config: KVStoreConfig, engine_args: dict[str, Any],
                  role: Literal["kv_producer", "kv_consumer"]) -> None:
-        from kvstore.cluster.lifecycle import cluster_config, connect
+        from kvstore.cluster.lifecycle import cluster_config
         from kvstore.integrations.vllm.connector import device_label, geometry_of
         from kvstore.integrations.vllm.namespace import checkpoint_fingerprint, namespace
         from kvstore.security.data_keys import parse_data_key
@@ -138,7 +137,6 @@ class _VLLMReplica:
         fingerprint = checkpoint_fingerprint(geometry.checkpoint)
         tag, key = device_label(vllm_config), parse_data_key(cluster.security.data_key)
         self._namespace = lambda salt: namespace(geometry, fingerprint, tag, salt, key)
-        self.store = connect(cluster)
         self.active = 0
         self.cancelled = 0
         self.requests = 0
@@ -186,8 +184,6 @@ class _VLLMReplica:
             self.engine.shutdown()
         with contextlib.suppress(Exception):
             remove_segments(self._segments)
-        with contextlib.suppress(Exception):
-            self.store.close()
 
 
 @serve.deployment(name="prefill", ray_actor_options={"num_cpus": 1})
@@ -222,24 +218,6 @@ class VLLMDecodeServer(_VLLMReplica):
     def __init__(self, config: KVStoreConfig, engine_args: dict[str, Any]) -> None:
         super().__init__(config, engine_args, "kv_consumer")
 
-    async def _wait_for_blocks(self, call: EngineCall, num_blocks: int) -> None:
-        """Until kvstore holds the prompt's first ``num_blocks`` (the prefill publishes them
-        off its forward path), or ``worker.publish_wait_s``: a block still missing then is
-        computed by vLLM, which costs time, never correctness."""
-        if num_blocks <= 0:
-            return
-        ns = self.namespace_of(call.cache_salt)
-        keys = BlockHasher(ns).block_keys(call.token_ids[:num_blocks * self.block_size])
-        deadline = time.monotonic() + self.config.worker.publish_wait_s
-        while time.monotonic() < deadline:
-            try:
-                hit = await asyncio.to_thread(self.store.lookup_prefix, ns, keys)
-            except KVStoreError:
-                return
-            if hit.num_blocks >= len(keys):
-                return
-            await asyncio.sleep(BLOCK_POLL_S)
-
     async def stream(self, call: EngineCall, first_token: int | None = None,
                      tail: Any = None, wait_for_blocks: int = 0
                      ) -> AsyncIterator[dict[str, Any]]:
@@ -261,10 +239,10 @@ class VLLMDecodeServer(_VLLMReplica):
             params = vllm_sampling(call.sampling, max_new,
                                    {"kv_transfer_params": {"kvstore_bypass": True}})
             salt = f"kvstore-bypass-{uuid.uuid4().hex}"
-        else:
-            await self._wait_for_blocks(call, wait_for_blocks)
+        else:  # the connector waits for the prefill's blocks (its publish is off its forward)
             tokens = [*call.token_ids, first_token]
-            params = vllm_sampling(call.sampling, max_new - 1)
+            params = vllm_sampling(call.sampling, max_new - 1, {"kv_transfer_params": {
+                BLOCKS_PARAM: wait_for_blocks}} if wait_for_blocks > 0 else None)
         cached, count = 0, 0
         async for out in self._generate(tokens, params, _unique(call.request_id), salt):
             cached = out.num_cached_tokens or cached
