@@ -29,14 +29,19 @@ def leg(rid: str, params: dict | None) -> SimpleNamespace:
 class Clock:
     def __init__(self) -> None:
         self.now = 100.0
+        self.slept: list[float] = []
 
     def __call__(self) -> float:
         return self.now
 
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
 
 def decode_side(store: LocalStore, clock: Clock, wait_s: float = 2.0) -> SchedulerSide:
     side = SchedulerSide(store, ns, BS, save=False)
-    side._publish_wait = PublishWait(wait_s, clock)
+    side._publish_wait = PublishWait(wait_s, clock, sleep=clock.sleep)
     return side
 
 
@@ -61,6 +66,7 @@ def test_a_decode_leg_waits_until_its_prefills_blocks_are_in_then_loads_them() -
     store, clock = LocalStore(), Clock()
     publish(store, PROMPT[:4])  # the prefill's first block is in; two are on their way
     side = decode_side(store, clock)
+    side.matched_tokens(leg("running", None), 0)  # another request the engine runs meanwhile
     decode = leg("d", {"do_remote_prefill": True, "kvstore_blocks": 3})
     assert side.matched_tokens(decode, 0) == (None, False)  # held: vLLM asks again
     clock.now += POLL_S / 2
@@ -68,11 +74,24 @@ def test_a_decode_leg_waits_until_its_prefills_blocks_are_in_then_loads_them() -
     real = store.lookup_prefix
     store.lookup_prefix = lambda *a, **kw: lookups.append(1) or real(*a, **kw)
     assert side.matched_tokens(decode, 0) == (None, False)
-    assert lookups == []  # asked again within POLL_S: no lookup
+    assert lookups == [] and clock.slept == []  # asked again within POLL_S: no lookup
     publish(store, PROMPT[:12])
     clock.now += POLL_S
-    assert side.matched_tokens(decode, 0) == (12, False)  # all three: loaded
-    assert len(side._publish_wait) == 0
+    # all three: loaded (asynchronously, as another request runs)
+    assert side.matched_tokens(decode, 0) == (12, True)
+    assert len(side._publish_wait) == 0 and clock.slept == []
+
+
+def test_a_decode_leg_alone_in_its_engine_sleeps_until_its_next_lookup_instead_of_spinning(
+        ) -> None:
+    store, clock = LocalStore(), Clock()
+    side = decode_side(store, clock)
+    decode = leg("d", {"kvstore_blocks": 3})
+    assert side.matched_tokens(decode, 0) == (None, False)
+    clock.now += POLL_S / 4  # vLLM's empty step came back at once: nothing else to run
+    publish(store, PROMPT[:12])
+    assert side.matched_tokens(decode, 0) == (12, False)  # slept the rest, then looked up
+    assert clock.slept == [pytest.approx(3 * POLL_S / 4)]
 
 
 def test_a_decode_leg_goes_on_with_what_is_there_after_publish_wait_s() -> None:

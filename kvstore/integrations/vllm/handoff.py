@@ -13,7 +13,7 @@ prefill publishes off its forward path, so its response can reach the decode bef
 blocks are in; waiting for them is what turns that race into a full hit instead of a recompute.
 The wait is bounded (``publish_wait_s``): blocks still missing then are computed by vLLM, which
 costs time, never correctness. Lookups while waiting are spaced (``POLL_S``): vLLM's scheduler
-may ask every step.
+may ask every step; an engine with nothing else to do sleeps between them instead of spinning.
 """
 
 from __future__ import annotations
@@ -60,20 +60,29 @@ class _Waiting:
 class PublishWait:
     """Requests held until kvstore holds the blocks their prefill published."""
 
-    def __init__(self, wait_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, wait_s: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.wait_s = wait_s
         self.clock = clock
+        self.sleep = sleep
         self._waiting: dict[str, _Waiting] = {}
 
-    def due(self, request_id: str) -> bool:
-        """Whether to look the request up now: at once the first time, then every ``POLL_S``."""
+    def due(self, request_id: str, *, alone: bool = False) -> bool:
+        """Whether to look the request up now: at once the first time, then every ``POLL_S``.
+        ``alone`` (the engine has no other request): sleeps until it is due instead of
+        answering not yet, which has vLLM run an empty step and ask again at once, an idle
+        engine spinning through its steps (and its worker's) for as long as the wait lasts."""
         now = self.clock()
         waiting = self._waiting.get(request_id)
         if waiting is None:
             self._waiting[request_id] = _Waiting(now, now)
             return True
-        if now - waiting.last_poll < POLL_S:
-            return False
+        early = POLL_S - (now - waiting.last_poll)
+        if early > 0:
+            if not alone:
+                return False
+            self.sleep(early)
+            now = self.clock()
         waiting.last_poll = now
         return True
 

@@ -140,7 +140,7 @@ class SchedulerSide:
         they load asynchronously; None while a decode leg waits for its prefill's blocks
         (vLLM asks again at a later step)."""
         others = len(self._requests) - (request.request_id in self._requests)
-        if not self._prefill_published(request, num_computed_tokens):
+        if not self._prefill_published(request, num_computed_tokens, alone=not others):
             return None, False
         tracked = self._track(request, num_computed_tokens)
         tracked.local_blocks = num_computed_tokens // self.block_size
@@ -151,13 +151,15 @@ class SchedulerSide:
                                                            and others > 0)
         return extra, tracked.load_async
 
-    def _prefill_published(self, request: Any, num_computed_tokens: int) -> bool:
+    def _prefill_published(self, request: Any, num_computed_tokens: int, *, alone: bool
+                           ) -> bool:
         """False while a decode leg's prefill blocks are not all in kvstore yet (each look
-        is a fresh lookup), up to ``publish_wait_s``; True for any other request."""
+        is a fresh lookup), up to ``publish_wait_s``; True for any other request. ``alone``:
+        no other request is tracked (``PublishWait.due``)."""
         wanted = blocks_to_wait_for(getattr(request, "kv_transfer_params", None))
         if not (self.load and wanted):
             return True
-        if not self._publish_wait.due(request.request_id):
+        if not self._publish_wait.due(request.request_id, alone=alone):
             return False
         usable = (len(request.prompt_token_ids or []) - 1) // self.block_size
         tracked = self._track(request, num_computed_tokens)
