@@ -1,19 +1,16 @@
-"""Leased blocks used in place in this host's arena, checked after the use.
+"""Leased blocks used in place in this host's arena, their tags checked after the use.
 
 A same-node read copies each block out of the node's arena into memory of its own and checks
 the copy, before anything uses it. A load whose destination is another copy anyway (vLLM's
 paged KV on a CPU) can skip the first one: it reads the payloads straight from the arena, under
 the lease that keeps the node from reusing their memory, layer by layer while the forward that
-needs them runs, and checks each block once they are written: its header (the key, namespace
-and tokens asked for) and its tag over the same leased bytes. A block that fails either is
-reported by ``verify`` in time for the caller to discard what it computed from it (vLLM: a load
-error, recomputed, before any token of that step is sampled into an output). Nothing is checked
-before the use: the headers' check would otherwise delay the forward that the writes run
-under. What is read before the check is only ever the leased blocks' own payload bytes,
-inside the arena. A device read checks leased bytes the same way
-(``device_reads``).
+needs them runs, and checks each block's tag over the same leased bytes once they are written.
+A block whose tag fails is reported by ``verify`` in time for the caller to discard what it
+computed from it (vLLM: a load error, recomputed, before any token of that step is sampled
+into an output); a block whose header does not match (another key, namespace or tokens) is
+never used at all. A device read checks leased bytes the same way (``device_reads``).
 
-The lease stays held until ``close``, the blocks being checked while it still pins the bytes.
+The lease stays held until ``close``, the tags being checked while it still pins the bytes.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvstore.block import block_nbytes, payload_offset, tag_hasher
+from kvstore.block import payload_offset, tag_hasher
 from kvstore.client.device_reads import check_headers
 from kvstore.client.leased_reads import HeldLease
 from kvstore.keys import Namespace
@@ -35,8 +32,7 @@ from kvstore.node.block_pool import BlockLocation
 
 @dataclass
 class ArenaBlocks:
-    """The leading blocks of a handed-over lease, of a block's size, viewed in the arena; their
-    headers and tags are checked by ``verify``.
+    """The leading blocks of a handed-over lease whose headers match, viewed in the arena.
 
     ``segments``: ``(first block, payloads)`` per run of blocks adjacent in the arena, each
     ``payloads`` a read-only ``[k, *payload_shape]`` view (one strided view for the run, so a
@@ -44,8 +40,8 @@ class ArenaBlocks:
 
     namespace: Namespace
     keys: list[bytes]
-    token_ids: list[Any]
     locations: list[BlockLocation]
+    checksums: list[bytes]
     segments: list[tuple[int, torch.Tensor]]
     _reader: Any
     _client: Any
@@ -56,22 +52,14 @@ class ArenaBlocks:
         return len(self.keys)
 
     def verify(self) -> int:
-        """How many leading blocks carry the header asked for (``keys``, the namespace,
-        ``token_ids``) and the right tag over their leased bytes (constant time for a MAC);
-        0 when the lease may have ended before the check was done."""
-        try:  # every header at once (one gather, array compares)
-            verdicts, checksums = check_headers(self._reader, list(self.locations), self.keys,
-                                                self.token_ids, self.namespace)
-        except ValueError:  # a location outside the arena (the views were bounds-checked)
-            return 0
+        """How many leading blocks carry the right tag over their leased bytes (constant time
+        for a MAC); 0 when the lease may have ended before the check was done."""
         start = payload_offset(self.namespace)
         good = 0
-        for i, (key, loc) in enumerate(zip(self.keys, self.locations, strict=True)):
-            if not isinstance(verdicts[i], int):
-                break
+        for key, loc, tag in zip(self.keys, self.locations, self.checksums, strict=True):
             hasher = tag_hasher(self.namespace, key)
             hasher.update(self._reader.view(loc.offset + start, self.namespace.payload_nbytes))
-            if not hmac.compare_digest(hasher.digest(), checksums[i]):
+            if not hmac.compare_digest(hasher.digest(), tag):
                 break
             good += 1
         if time.monotonic() - self._lease.granted_at >= self._lease.ttl_s:
@@ -89,32 +77,33 @@ class ArenaBlocks:
 def arena_blocks(client: Any, namespace: Namespace, keys: Sequence[bytes],
                  token_ids: Sequence[Any], held: HeldLease) -> ArenaBlocks | None:
     """The leading run of ``keys`` that ``held`` (a lease on ``client``'s node, this host's)
-    pins in the arena as blocks of ``namespace``'s size, to be checked against ``namespace``,
-    ``keys`` and ``token_ids`` after their use (``ArenaBlocks.verify``); None where they cannot
-    be read in place (the lease not fresh, no block of it in the arena, or a location outside
-    it: the caller reads the usual way, under the same lease, which says what is wrong). The
-    lease is the caller's to ``close`` from then on when this returns blocks, else still the
-    caller's to use."""
+    pins in the arena, headers checked against ``namespace``, ``keys`` and ``token_ids``; None
+    where it cannot be read in place (the lease not fresh, or no block of it in the arena: the
+    caller reads the usual way, under the same lease). The lease is the caller's to ``close``
+    from then on when this returns blocks, else still the caller's to use."""
     if not held.fresh() or not getattr(client, "same_node", False):
         return None
     where = {loc.key: loc for loc in held.info.locations if not loc.path}
-    nbytes = block_nbytes(namespace)
+    reader = client._reader()
     keys = [bytes(k) for k in keys]
-    usable: list[BlockLocation] = []
-    for key in keys:  # a block of another size is never read: it fails its check unread
-        loc = where.get(key)
-        if loc is None or loc.nbytes != nbytes:
-            break
-        usable.append(loc)
+    locs = [where.get(k) for k in keys]
+    if None in locs:
+        locs = locs[:locs.index(None)]
+    try:  # every header at once (one gather, array compares), the payloads left for after
+        verdicts, digests = check_headers(reader, locs, keys[:len(locs)], token_ids, namespace)
+    except ValueError:  # a location outside the arena: read the usual way, which says so
+        return None
+    good = next((i for i, v in enumerate(verdicts) if not isinstance(v, int)), len(verdicts))
+    usable = [loc for loc in locs[:good] if loc is not None]
+    checksums = [digests[i] for i in range(good)]
     if not usable:
         return None
-    reader = client._reader()
     try:
         segments = _segments(reader, namespace, usable)
-    except (ValueError, RuntimeError):  # outside the arena, or not aligned to the dtype
+    except (ValueError, RuntimeError):  # payloads not aligned to their dtype in the arena
         return None
-    return ArenaBlocks(namespace, keys[:len(usable)], list(token_ids[:len(usable)]), usable,
-                       segments, reader, client, held)
+    return ArenaBlocks(namespace, keys[:len(usable)], usable, checksums, segments, reader,
+                       client, held)
 
 
 def _segments(reader: Any, namespace: Namespace, locations: list[BlockLocation]

@@ -7,15 +7,13 @@ process may also run on a core the forward does not use, one loader thread is pi
 does all of a step's synchronous loads while the forward runs:
 
 - blocks a scheduler's lookup leased on this host's node are written straight from the arena
-  (``ClusterStore.arena_blocks``: no copy of their own), layer after layer, each layer's
-  event set once every load of the step is in it, so the attention of layer ``i`` (``wait``)
-  waits for layer ``i`` alone;
-- their headers and tags are checked over the same leased bytes once every layer is written,
-  while the forward still runs, and a block that fails becomes a load error (``failed``):
-  vLLM then discards that step's output for the request and recomputes from that block, so
-  no token is ever sampled from it. Nothing is checked before the forward starts: on the
-  forward's thread the headers' check delayed it by as long, and on this thread it waits
-  for nothing but the writes;
+  (``ClusterStore.arena_blocks``: headers checked first, no copy of their own), layer after
+  layer, each layer's event set once every load of the step is in it, so the attention of
+  layer ``i`` (``wait``) waits for layer ``i`` alone;
+- their tags are checked over the same leased bytes once every layer is written, while the
+  forward still runs, and a block whose tag fails becomes a load error (``failed``): vLLM
+  then discards that step's output for the request and recomputes from that block, so no
+  token is ever sampled from it;
 - anything else (no lease, a lease gone stale, remote holders) is fetched, checked and then
   written, on the same thread (``fetch``).
 
@@ -162,6 +160,9 @@ class SpareCoreLoader:
         """Begin a step's loads; ``fetch(transfers)``: the worker's fetch of those it cannot
         write from the arena (its ``Fetched`` results, errors already reported)."""
         step = SpareCoreStep(len(layers), transfers)
+        # The headers are checked here, before the forward starts: a fraction of a
+        # millisecond, which on the loader thread took several times as long (sharing
+        # Python's lock with the forward) while the forward's first layer waited for it.
         loads: list[_Load] = []
         try:
             rest = _in_place(store, namespace_of, layers[0], transfers, loads)
