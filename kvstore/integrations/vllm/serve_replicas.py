@@ -118,12 +118,15 @@ class _VLLMReplica:
         self.replica_id = _replica_id("prefill" if role == "kv_producer" else "decode")
         self.config = config
         # The engine's connector finds the cluster this replica runs on, named explicitly:
-        # its engine process is no Ray worker and may not see RAY_ADDRESS or a record.
+        # its engine process is no Ray worker and may not see RAY_ADDRESS or a record. It
+        # holds a decode call until the prefill's blocks are in, as long as this config says.
         address = ray.get_runtime_context().gcs_address
         transfer = KVTransferConfig(kv_connector="KVStoreConnector",
                                     kv_connector_module_path="kvstore.integrations.vllm",
                                     kv_role=role,
-                                    kv_connector_extra_config={"address": address})
+                                    kv_connector_extra_config={
+                                        "address": address,
+                                        "publish_wait_s": config.worker.publish_wait_s})
         settings = {"enable_prefix_caching": True, "skip_tokenizer_init": True, **engine_args}
         args = AsyncEngineArgs(model=config.worker.model, kv_transfer_config=transfer,
                                **settings)
