@@ -177,8 +177,8 @@ class SchedulerSide:
         if known is not None:
             return known
         prompt = request.prompt_token_ids or []
-        # vLLM's is a list of ints: copied as it is (converting each token again was a
-        # quarter of the lookup's own work, on every warm request); anything else token by token
+        # vLLM's is a list of ints: copied as it is (converting each token again is work on
+        # every warm request's path before the forward); anything else token by token
         tokens = list(prompt) if type(prompt) is list else [int(t) for t in prompt]
         salt = self.salt_for(request.cache_salt)
         params = getattr(request, "kv_transfer_params", None)
