@@ -116,7 +116,6 @@ class _VLLMReplica:
         from kvstore.security.data_keys import parse_data_key
 
         self.replica_id = _replica_id("prefill" if role == "kv_producer" else "decode")
-        self.config = config
         # The engine's connector finds the cluster this replica runs on, named explicitly:
         # its engine process is no Ray worker and may not see RAY_ADDRESS or a record. It
         # holds a decode call until the prefill's blocks are in, as long as this config says.
