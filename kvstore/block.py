@@ -400,9 +400,11 @@ def decode_block(
 
 @dataclass(frozen=True, slots=True)
 class _Template:
-    """A namespace's canonical block prefix (length word + header + pad) and its four holes."""
+    """A namespace's canonical block prefix (length word + header + pad), where its
+    namespace root lies, and its four holes."""
 
     prefix: bytes  # payload_offset bytes, the four fields zeroed
+    root: slice
     key: slice
     parent_key: slice
     token_ids: slice
@@ -431,7 +433,7 @@ def _template(namespace: Namespace) -> _Template:
     prefix[_LEN.size : _LEN.size + len(packed)] = packed
     root, key, parent, tokens, digest = holes
     prefix[root] = namespace.root
-    return _Template(bytes(prefix), key, parent, tokens, digest)
+    return _Template(bytes(prefix), root, key, parent, tokens, digest)
 
 
 def _verify_canonical(view: memoryview, namespace: Namespace, key: bytes,

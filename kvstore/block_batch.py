@@ -240,3 +240,46 @@ def _tokens_match(token_cols: np.ndarray, tokens: list[Any], block_size: int) ->
     got = token_cols.view("<i8") if token_cols.flags.c_contiguous \
         else np.ascontiguousarray(token_cols).view("<i8")
     return (got == want).all(axis=1)
+
+
+@functools.lru_cache(maxsize=256)
+def naming_columns(namespace: Namespace) -> np.ndarray:
+    """The header bytes ``named_tags`` reads of a canonical block: from its namespace root to
+    the end of its key (the two fields one after the other), then the payload's tag."""
+    t = _template(namespace)
+    columns = np.r_[np.arange(t.root.start, t.key.stop), np.arange(t.checksum.start,
+                                                                    t.checksum.stop)]
+    columns.flags.writeable = False  # shared by every caller of the cache
+    return columns.astype(np.int64)
+
+
+def named_tags(fields: np.ndarray, namespace: Namespace, keys: Sequence[bytes]
+               ) -> list[bytes] | None:
+    """Each block's tag from ``fields`` (its ``naming_columns``, ``[n, columns]`` uint8), when
+    every row names ``namespace``'s root and its own key ``keys[i]``; None when any does not
+    (``canonical_headers`` and ``verify_block`` decide those).
+
+    Enough for a reader of its own node's arena, which asked the node for these keys: the node
+    checked each header against its writer's namespace and key at Put (the rest of the layout,
+    and the parent and tokens chaining to the key, which names the reader's tokens as the
+    reader made it from them), so what is left is whether the bytes there are that block, and
+    its payload, checked against this tag, under that key."""
+    t = _template(namespace)
+    lead = t.key.start - t.root.start  # the root, then the key's msgpack marker
+    named, width, n = t.key.stop - t.root.start, namespace.tag_nbytes, len(keys)
+    if fields.shape != (n, named + width) or fields.dtype != np.uint8:
+        return None
+    joined = b"".join(keys)
+    if len(joined) != n * KEY_NBYTES or not (fields[:, :lead] == _lead_bytes(namespace)).all() \
+            or not (fields[:, lead:named] == np.frombuffer(joined, dtype=np.uint8).reshape(
+                n, KEY_NBYTES)).all():
+        return None
+    tags = fields[:, named:].tobytes()
+    return [tags[i * width : (i + 1) * width] for i in range(n)]
+
+
+@functools.lru_cache(maxsize=256)
+def _lead_bytes(namespace: Namespace) -> np.ndarray:
+    """A canonical header's bytes from its namespace root to its key (``named_tags``)."""
+    t = _template(namespace)
+    return np.frombuffer(t.prefix[t.root.start : t.key.start], dtype=np.uint8)

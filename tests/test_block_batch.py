@@ -317,3 +317,34 @@ def test_canonical_headers_pass_only_headers_the_one_block_check_passes(ns: Name
         assert got[i] == (not damaged[~tag].any()), i
     assert canonical_headers(rows[:0, :width], ns, []).size == 0
     assert not canonical_headers(rows[:, :width - 8], ns, keys).any()  # not a header's width
+
+
+@pytest.mark.parametrize("ns", NAMESPACES, ids=ns_id)
+def test_named_tags_are_the_headers_tags_of_blocks_naming_their_namespace_and_key(
+        ns: Namespace) -> None:
+    """``named_tags`` (a reader of its own node's arena): the tag each header carries, and
+    nothing for a batch in which any block names another key or another namespace."""
+    from kvstore.block_batch import named_tags, naming_columns
+
+    n = 12
+    keys, parents, tokens, payloads = make_batch(ns, n, seed=13)
+    rows = np.empty((n, block_nbytes(ns)), dtype=np.uint8)
+    encode_blocks_into(rows, ns, keys, parents, tokens, payloads)
+    columns = naming_columns(ns)
+    tags = named_tags(rows[:, columns], ns, keys)
+    assert tags == [rows[i, _template(ns).checksum].tobytes() for i in range(n)]
+    assert all(len(t) == ns.tag_nbytes for t in tags)
+    assert named_tags(rows[:, columns], ns, keys[1:] + keys[:1]) is None  # another key's place
+    other = Namespace("other", ns.dtype, ns.block_size, ns.num_layers, ns.num_kv_heads,
+                      ns.head_dim, ns.cache_salt)
+    theirs = np.empty_like(rows)
+    encode_blocks_into(theirs, other, keys, parents, tokens, payloads)
+    mixed = rows.copy()
+    mixed[5] = theirs[5]  # the same key and bytes written in another namespace
+    assert named_tags(mixed[:, columns], ns, keys) is None
+    marker = rows.copy()
+    marker[3, _template(ns).key.start - 1] ^= 1  # the key's msgpack marker
+    assert named_tags(marker[:, columns], ns, keys) is None
+    assert named_tags(rows[:, columns][:, :-1], ns, keys) is None  # not the columns' width
+    assert named_tags(rows[:, columns], ns, keys[:-1]) is None  # a key short
+    assert named_tags(rows[:0, columns], ns, []) == []

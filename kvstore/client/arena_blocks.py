@@ -7,8 +7,11 @@ the lease that keeps the node from reusing their memory, layer by layer while th
 needs them runs, and checks each block's tag over the same leased bytes once they are written.
 A block whose tag fails is reported by ``verify`` in time for the caller to discard what it
 computed from it (vLLM: a load error, recomputed, before any token of that step is sampled
-into an output); a block whose header does not match (another key, namespace or tokens) is
-never used at all. A device read checks leased bytes the same way (``device_reads``).
+into an output); a block whose header names another key or namespace is never used at all.
+Before the use only those few header bytes are read: the node checked every header in full at
+Put, the parent and tokens chaining to the key the reader made from its own tokens, and a
+header that is not canonical gets the full check here too. A device read checks leased bytes
+the same way, its headers in full (``device_reads``).
 
 The lease stays held until ``close``, the tags being checked while it still pins the bytes.
 """
@@ -23,7 +26,8 @@ from typing import Any
 
 import torch
 
-from kvstore.block import payload_offset, tag_hasher
+from kvstore.block import block_nbytes, payload_offset, tag_hasher
+from kvstore.block_batch import named_tags, naming_columns
 from kvstore.client.device_reads import check_headers
 from kvstore.client.leased_reads import HeldLease
 from kvstore.keys import Namespace
@@ -77,7 +81,8 @@ class ArenaBlocks:
 def arena_blocks(client: Any, namespace: Namespace, keys: Sequence[bytes],
                  token_ids: Sequence[Any], held: HeldLease) -> ArenaBlocks | None:
     """The leading run of ``keys`` that ``held`` (a lease on ``client``'s node, this host's)
-    pins in the arena, headers checked against ``namespace``, ``keys`` and ``token_ids``; None
+    pins in the arena, each header naming ``namespace`` and its key (a header that is not
+    canonical checked in full, against ``token_ids`` too: ``_named_tags``); None
     where it cannot be read in place (the lease not fresh, or no block of it in the arena: the
     caller reads the usual way, under the same lease). The lease is the caller's to ``close``
     from then on when this returns blocks, else still the caller's to use."""
@@ -89,13 +94,17 @@ def arena_blocks(client: Any, namespace: Namespace, keys: Sequence[bytes],
     locs = [where.get(k) for k in keys]
     if None in locs:
         locs = locs[:locs.index(None)]
-    try:  # every header at once (one gather, array compares), the payloads left for after
-        verdicts, digests = check_headers(reader, locs, keys[:len(locs)], token_ids, namespace)
+    try:
+        checksums = _named_tags(reader, namespace, keys[:len(locs)], locs)  # type: ignore
+        if checksums is None:  # not all canonical and named right: every header in full
+            verdicts, digests = check_headers(reader, locs, keys[:len(locs)], token_ids,
+                                              namespace)
+            good = next((i for i, v in enumerate(verdicts) if not isinstance(v, int)),
+                        len(verdicts))
+            checksums = [digests[i] for i in range(good)]
     except ValueError:  # a location outside the arena: read the usual way, which says so
         return None
-    good = next((i for i, v in enumerate(verdicts) if not isinstance(v, int)), len(verdicts))
-    usable = [loc for loc in locs[:good] if loc is not None]
-    checksums = [digests[i] for i in range(good)]
+    usable = [loc for loc in locs[:len(checksums)] if loc is not None]
     if not usable:
         return None
     try:
@@ -104,6 +113,18 @@ def arena_blocks(client: Any, namespace: Namespace, keys: Sequence[bytes],
         return None
     return ArenaBlocks(namespace, keys[:len(usable)], usable, checksums, segments, reader,
                        client, held)
+
+
+def _named_tags(reader: Any, namespace: Namespace, keys: list[bytes],
+                locations: list[BlockLocation]) -> list[bytes] | None:
+    """The blocks' tags when every one is of its namespace's size and its header names the
+    namespace and its key (``block_batch.named_tags``: the node checked the rest at Put), read
+    in one gather of those few bytes; None when any is not (the full check decides)."""
+    nbytes = block_nbytes(namespace)
+    if any(loc.nbytes != nbytes for loc in locations):
+        return None
+    fields = reader.columns(locations, naming_columns(namespace))
+    return named_tags(fields, namespace, keys)
 
 
 def _segments(reader: Any, namespace: Namespace, locations: list[BlockLocation]

@@ -187,12 +187,19 @@ class ShmReader:
     def heads(self, locations: Sequence[BlockLocation], width: int) -> np.ndarray:
         """The first ``width`` bytes of each block, as one ``[len(locations), width]`` uint8
         copy (one gather: the headers of a batch, checked together)."""
+        return self.columns(locations, np.arange(width, dtype=np.int64))
+
+    def columns(self, locations: Sequence[BlockLocation], columns: np.ndarray) -> np.ndarray:
+        """Bytes ``columns`` (sorted int64 offsets into a block) of each block, as one
+        ``[len(locations), len(columns)]`` uint8 copy: a few header fields of a batch in one
+        gather, without the rest of their headers."""
+        width = int(columns[-1]) + 1 if len(columns) else 0
         offsets = np.fromiter((loc.offset for loc in locations), dtype=np.int64,
                               count=len(locations))
         if len(offsets) and (offsets.min() < 0 or offsets.max() + width > self.size or any(
                 loc.nbytes < width for loc in locations)):
             raise ValueError(f"a block's first {width} bytes lie outside the arena or the block")
-        return self._arr[offsets[:, None] + np.arange(width, dtype=np.int64)]
+        return self._arr[offsets[:, None] + columns]
 
     def read(self, location: BlockLocation) -> bytearray:
         """A copy of one block's bytes in a new buffer."""

@@ -6,6 +6,7 @@ blocks without a lease are fetched the usual way on the same thread; every lease
 # ruff: noqa: F811  (the cluster fixture is imported, then named as a test argument)
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 
@@ -174,13 +175,19 @@ def test_blocks_without_a_fresh_lease_are_fetched_on_the_spare_core(cluster, lea
     store.close()
 
 
-def test_blocks_that_are_not_the_prompts_are_never_written(cluster) -> None:
-    tokens = list(range(300, 300 + 2 * BS))
+def test_a_block_in_another_keys_place_is_never_written(cluster) -> None:
+    tokens, others = list(range(300, 300 + 2 * BS)), list(range(700, 700 + 2 * BS))
     publish(cluster, tokens)
+    publish(cluster, others)
     worker, store, dst = reader(cluster)
     before = {name: c.clone() for name, c in dst.items()}
+    elsewhere = leased(store, transfer(others, [0, 1])).lease
     t = leased(store, transfer(tokens, [6, 7]))
-    t.tokens = [[9] * BS, t.tokens[1]]  # the lease's first block holds other tokens
+    # The lease places the prompt's first block where another prompt's lies: a whole, good
+    # block whose tag matches its own payload, only not the key asked for.
+    swapped = elsewhere.info.locations[0]
+    t.lease.info.locations[0] = dataclasses.replace(swapped, key=t.keys[0])
+    store.release_lease(elsewhere)
     worker.load(StepPlan(loads=[t]))
     forward(worker)
     assert worker.load_errors() == {6, 7}
