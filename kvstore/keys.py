@@ -9,6 +9,7 @@ never Python's ``hash()``, so keys are the same on every machine and every run.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NewType
@@ -180,6 +181,11 @@ class Namespace:
 
 def tokens_to_bytes(token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
     """Token ids as little-endian int64: the bytes every key hashes."""
+    if type(token_ids) is list:  # vLLM's prompts: packed directly, several times faster
+        try:
+            return struct.pack(f"<{len(token_ids)}q", *token_ids)
+        except struct.error:  # not all int64s: numpy's conversion says what is wrong
+            pass
     if isinstance(token_ids, torch.Tensor):
         token_ids = token_ids.detach().cpu().numpy()
     arr = np.asarray(token_ids)
