@@ -247,10 +247,10 @@ def naming_columns(namespace: Namespace) -> np.ndarray:
     """The header bytes ``named_tags`` reads of a canonical block: from its namespace root to
     the end of its key (the two fields one after the other), then the payload's tag."""
     t = _template(namespace)
-    columns = np.r_[np.arange(t.root.start, t.key.stop), np.arange(t.checksum.start,
-                                                                    t.checksum.stop)]
+    columns = np.r_[np.arange(t.root.start, t.key.stop),
+                    np.arange(t.checksum.start, t.checksum.stop)].astype(np.int64)
     columns.flags.writeable = False  # shared by every caller of the cache
-    return columns.astype(np.int64)
+    return columns
 
 
 def named_tags(fields: np.ndarray, namespace: Namespace, keys: Sequence[bytes]
