@@ -181,11 +181,15 @@ def test_a_killed_store_node_and_a_killed_head_leave_no_arena(
 @needs_ray
 def test_an_interrupted_generate_leaves_no_arena(tmp_path: Path) -> None:
     env = cli_env(tmp_path / "state")
-    prompts = tmp_path / "six.jsonl"
+    # Far more work than the arena takes to appear: on a fast machine six short requests ended
+    # before the Ctrl-C reached them (it then hit no run at all), and this one is interrupted
+    # long before it would end, so its size costs nothing.
+    prompts = tmp_path / "many.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "text": f"prompt {i} " * 40}) + "\n"
-                               for i in range(6)))
+                               for i in range(200)))
     log = open(tmp_path / "generate.log", "wb")  # noqa: SIM115 - the child writes it
     proc = subprocess.Popen([*KVSTORE, "generate", "--prompts", str(prompts), "--model", "tiny",
+                             "--max-new-tokens", "256", "--ignore-eos",
                              "--output", str(tmp_path / "int.jsonl")],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
     log.close()
