@@ -11,7 +11,7 @@ trip, which counts the stalls a median hides), three ways:
 2. a process of normal priority keeping the node's core busy (as a vLLM engine polling for its
    worker, or a forward on all cores, would), the node still at nice 15;
 3. the same, after the node raised its own priority as the actor does at start
-   (``store_node_actor.serve_at_normal_priority``).
+   (``process_priority.serve_at_normal_priority``).
 
 ``ratio_lease_busy_core_vs_idle`` is 3 over 1 (what a busy core costs the node as it runs);
 ``ratio_lease_busy_core_niced_vs_idle`` is 2 over 1 (what it would cost at Ray's niceness).
@@ -39,10 +39,10 @@ BLOCKS = 64
 def _node(conn: Any, core: int) -> None:
     """The node's process: pinned to ``core`` at Ray's niceness; raises its priority when
     told to, answers where it listens."""
-    from kvstore.cluster.store_node_actor import serve_at_normal_priority
     from kvstore.config import ServerConfig
     from kvstore.node.block_pool import BlockPool
     from kvstore.node.store_server import StoreServer
+    from kvstore.process_priority import serve_at_normal_priority
 
     os.sched_setaffinity(0, {core})
     os.nice(RAY_WORKER_NICENESS)
@@ -51,7 +51,7 @@ def _node(conn: Any, core: int) -> None:
     server.start()
     conn.send((server.addresses, pool.path))
     while (ask := conn.recv()) is not None:
-        conn.send(serve_at_normal_priority() if ask == "normal" else None)
+        conn.send(serve_at_normal_priority("the store node") if ask == "normal" else None)
     server.stop(0)
     pool.close()
 

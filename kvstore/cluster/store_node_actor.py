@@ -9,17 +9,15 @@ inside the actor process, in ``__init__``, and the actor's methods hand each cal
 
 from __future__ import annotations
 
-import logging
-import os
 from typing import TYPE_CHECKING
 
 import ray
 
+from kvstore.process_priority import serve_at_normal_priority
+
 if TYPE_CHECKING:
     from kvstore.config import KVStoreConfig
     from kvstore.records import NodeAddress, PoolStats
-
-log = logging.getLogger(__name__)
 
 
 class StoreNodeHost:
@@ -28,7 +26,7 @@ class StoreNodeHost:
     def __init__(self, config: KVStoreConfig) -> None:
         from kvstore.cluster.store_node import StoreNode
 
-        serve_at_normal_priority()
+        serve_at_normal_priority("the store node")
         self.node = StoreNode(config)
 
     def ping(self) -> NodeAddress:
@@ -59,31 +57,3 @@ class StoreNodeHost:
 
 
 StoreNodeActor = ray.remote(num_cpus=0)(StoreNodeHost)
-
-
-def serve_at_normal_priority() -> bool:
-    """Undo Ray's worker niceness (15 unless ``RAY_worker_niceness`` says otherwise) for this
-    process, whose threads then start at normal priority too; whether it runs at 0 or better.
-
-    Ray lowers its workers' priority so a busy task never starves its own control plane. A
-    store node is a server on its readers' path, though: at nice 15, any process of normal
-    priority on the same core (a vLLM engine polling for its worker, say) gets nearly all of
-    that core while a lease or a fetch waits for the node. Raising a priority needs the right
-    to (root, or CAP_SYS_NICE); without it the node stays as Ray started it, and says how to
-    start it at normal priority."""
-    try:
-        if os.getpriority(os.PRIO_PROCESS, 0) <= 0:
-            return True
-        # Linux: each thread has a niceness of its own; elsewhere the process has one
-        tasks = "/proc/self/task"
-        for tid in os.listdir(tasks) if os.path.isdir(tasks) else ["0"]:
-            try:
-                os.setpriority(os.PRIO_PROCESS, int(tid), 0)
-            except ProcessLookupError:  # a thread that has ended since
-                continue
-    except (OSError, AttributeError) as exc:  # no right to (or no priorities here)
-        log.warning("the store node runs at Ray's worker niceness, behind every process of "
-                    "normal priority on its cores (%s): start Ray with RAY_worker_niceness=0 "
-                    "or give the node CAP_SYS_NICE", exc)
-        return False
-    return True

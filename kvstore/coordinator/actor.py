@@ -20,6 +20,7 @@ from kvstore.coordinator.worker_reports import WorkerTable
 from kvstore.gc_tuning import freeze_startup_objects
 from kvstore.index.base import IndexEntry
 from kvstore.node.grpc_setup import bind_node_ip
+from kvstore.process_priority import serve_at_normal_priority
 from kvstore.records import NodeAddress, PoolStats, PrefixHit
 
 
@@ -27,6 +28,9 @@ class Coordinator:
     """Cluster LRU, watermarks, pins, liveness and recovery, as one Ray actor."""
 
     def __init__(self, config: KVStoreConfig) -> None:
+        # Its index service answers lookups and publishes on the data path (below): at
+        # Ray's worker niceness a busy engine on its core would keep them waiting.
+        serve_at_normal_priority("the coordinator")
         self._core = CoordinatorCore(config)
         self._workers = WorkerTable()
         cfg = config.coordinator

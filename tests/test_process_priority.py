@@ -1,5 +1,6 @@
-"""The store node undoes Ray's worker niceness, in every thread of its process, where it may;
-where it may not, it stays as it was and says how to start it at normal priority."""
+"""A server on the data path (a store node, the coordinator) undoes Ray's worker niceness, in
+every thread of its process, where it may; where it may not, it stays as it was and says how to
+start it at normal priority."""
 
 from __future__ import annotations
 
@@ -11,12 +12,12 @@ import textwrap
 
 import pytest
 
-from kvstore.cluster import store_node_actor
-from kvstore.cluster.store_node_actor import serve_at_normal_priority
+from kvstore import process_priority
+from kvstore.process_priority import serve_at_normal_priority
 
 CHILD = textwrap.dedent("""
     import os, threading
-    from kvstore.cluster.store_node_actor import serve_at_normal_priority
+    from kvstore.process_priority import serve_at_normal_priority
     os.nice(15)  # as Ray starts its workers
     started, stop = threading.Event(), threading.Event()
     def other():
@@ -25,7 +26,7 @@ CHILD = textwrap.dedent("""
     t = threading.Thread(target=other)
     t.start()  # a thread of Ray's, already running at 15
     started.wait()
-    ok = serve_at_normal_priority()
+    ok = serve_at_normal_priority("the store node")
     later = threading.Thread(target=lambda: print("later", os.getpriority(os.PRIO_PROCESS, 0)))
     later.start()
     later.join()
@@ -47,20 +48,20 @@ def test_every_thread_of_a_niced_process_serves_at_normal_priority() -> None:
     assert "later 0" in lines and "ok True" in lines, done.stdout
 
 
-def test_without_the_right_to_it_the_node_says_how_and_runs_on(
+def test_without_the_right_to_it_the_server_says_how_and_runs_on(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     def refused(*_: object) -> None:
         raise PermissionError(1, "Operation not permitted")
 
-    monkeypatch.setattr(store_node_actor.os, "getpriority", lambda *_: 15)
-    monkeypatch.setattr(store_node_actor.os, "setpriority", refused)
-    with caplog.at_level(logging.WARNING, logger=store_node_actor.__name__):
-        assert serve_at_normal_priority() is False
-    assert "RAY_worker_niceness=0" in caplog.text
+    monkeypatch.setattr(process_priority.os, "getpriority", lambda *_: 15)
+    monkeypatch.setattr(process_priority.os, "setpriority", refused)
+    with caplog.at_level(logging.WARNING, logger=process_priority.__name__):
+        assert serve_at_normal_priority("the coordinator") is False
+    assert "the coordinator runs at" in caplog.text and "RAY_worker_niceness=0" in caplog.text
 
 
 def test_a_process_at_normal_priority_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[object, ...]] = []
-    monkeypatch.setattr(store_node_actor.os, "getpriority", lambda *_: 0)
-    monkeypatch.setattr(store_node_actor.os, "setpriority", lambda *a: calls.append(a))
-    assert serve_at_normal_priority() is True and calls == []
+    monkeypatch.setattr(process_priority.os, "getpriority", lambda *_: 0)
+    monkeypatch.setattr(process_priority.os, "setpriority", lambda *a: calls.append(a))
+    assert serve_at_normal_priority("the store node") is True and calls == []
