@@ -71,10 +71,12 @@ def test_the_servers_on_the_data_path_run_at_normal_priority(
         kv: KVStoreConfig, ray_nodes: list[str]) -> None:
     """Ray starts its workers at nice 15; the store nodes and the coordinator (whose index
     service answers lookups and publishes) undo it in every thread, while a plain actor of
-    the same cluster stays as Ray started it (so the test sees Ray's niceness at all)."""
+    the same cluster stays as Ray started it (so the test sees Ray's niceness at all: on the
+    threads of Python's, the ones that run the actor's methods; Ray's own threads of C++,
+    started before it lowers the priority, keep 0)."""
     plain = ray.remote(num_cpus=0)(type("Plain", (), {})).remote()
     try:
-        assert ray.get(plain.__ray_call__.remote(_thread_niceness)) == {15}
+        assert 15 in ray.get(plain.__ray_call__.remote(_thread_niceness))
     finally:
         ray.kill(plain)
     assert ray.get(coordinator_handle().__ray_call__.remote(_thread_niceness)) == {0}
