@@ -3,10 +3,9 @@
 Ray starts every worker process, each actor's among them, at nice 15 (``RAY_worker_niceness``),
 so that a busy task never starves its own control plane. A kvstore server inside an actor is on
 its readers' path, though: the store node answers leases and fetches, the coordinator's index
-service answers cross-node lookups and every publish. At nice 15, any process of normal priority
-on the same core (a vLLM engine polling for its worker, a model's forward) gets nearly all of
-that core while a reader waits (a node's lease took 40 times as long,
-``benchmarks/bench_node_priority.py``).
+service answers lookups and publishes. At nice 15, any process of normal priority on the
+same core (a vLLM engine polling for its worker, a model's forward) gets nearly all of that
+core while a reader waits (``benchmarks/bench_node_priority.py`` measures it).
 """
 
 from __future__ import annotations

@@ -60,30 +60,6 @@ def test_one_store_node_per_ray_node(kv: KVStoreConfig, ray_nodes: list[str]) ->
     assert set(info.nodes) == set(ray_nodes)
 
 
-def _thread_niceness(_: object) -> set[int]:
-    """Every thread's niceness in the calling actor's process."""
-    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")}
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or os.geteuid() != 0,
-                    reason="raising a priority needs root (or CAP_SYS_NICE) on Linux")
-def test_the_servers_on_the_data_path_run_at_normal_priority(
-        kv: KVStoreConfig, ray_nodes: list[str]) -> None:
-    """Ray starts its workers at nice 15; the store nodes and the coordinator (whose index
-    service answers lookups and publishes) undo it in every thread, while a plain actor of
-    the same cluster stays as Ray started it (so the test sees Ray's niceness at all: on the
-    threads of Python's, the ones that run the actor's methods; Ray's own threads of C++,
-    started before it lowers the priority, keep 0)."""
-    plain = ray.remote(num_cpus=0)(type("Plain", (), {})).remote()
-    try:
-        assert 15 in ray.get(plain.__ray_call__.remote(_thread_niceness))
-    finally:
-        ray.kill(plain)
-    assert ray.get(coordinator_handle().__ray_call__.remote(_thread_niceness)) == {0}
-    for node_id in ray_nodes:
-        assert ray.get(store_actor(node_id).__ray_call__.remote(_thread_niceness)) == {0}
-
-
 def test_put_on_one_node_read_bitwise_from_both(kv: KVStoreConfig, ray_nodes: list[str]) -> None:
     a, b = ray_nodes
     writer, remote, local = reader(kv, a), reader(kv, b), reader(kv, a)
