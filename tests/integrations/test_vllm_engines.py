@@ -9,12 +9,19 @@ module starts one kvstore cluster (a private Ray head) and two engines: A comput
 the tests compare against with the connector bypassed (the same engine without the cache), then
 publishes; B runs the cached requests, then the cluster-gone ones (``vllm_instance``'s phases,
 vLLM's own prefix cache reset between them).
+The module's model is a hybrid one, as Gemma's and gpt-oss's are: its first layer attends to a
+window of 64 tokens (two blocks), its second to the whole prompt, and every shared prefix here
+is longer than the window. vLLM then runs without its hybrid allocator (the connector does not
+implement ``SupportsHMA``), so each layer's cache holds every token and a block holds every
+layer's KV, as for any other model.
 Skips where vLLM is not installed, unless ``KVSTORE_REQUIRE_VLLM=1``.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +60,22 @@ ALL = PROMPTS + DAMAGED_PROMPTS + SYNC_DAMAGED_PROMPTS + LATE_PROMPTS + [HANDOFF
 #: (7), then the late prompts.
 SYNC_RESULT, NEXT_TURN, NEXT_TURN_BYPASSED, DECODE_LEG = 4, 5, 6, 7
 LATE_RESULTS = slice(8, None)
+
+
+#: The sliding window of the model's first layer, in tokens.
+WINDOW = 64
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return vllm_engines.engine_checkpoint(tmp_path_factory, sliding_window=WINDOW)
+
+
+def test_the_model_is_hybrid_and_every_prompt_outruns_its_window(checkpoint):
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    assert config["sliding_window"] == WINDOW
+    assert min(len(p) for p in [*ALL, SALTED]) > WINDOW
 
 
 def run_engine(env: dict[str, str], checkpoint: str, prompts: list[list[int]],

@@ -22,13 +22,18 @@ ROOT = Path(__file__).resolve().parents[2]
 KV_HEADS, HEAD_DIM = 2, 32
 
 
-def engine_checkpoint(tmp_path_factory: Any) -> str:
-    """A small real-format checkpoint of the engine tests' shape, in a fresh directory."""
+def engine_checkpoint(tmp_path_factory: Any, sliding_window: int | None = None) -> str:
+    """A small real-format checkpoint of the engine tests' shape, in a fresh directory.
+    ``sliding_window``: every other layer attends to that many tokens only (``layer_types``,
+    which vLLM's Llama honours: a hybrid model, as Gemma's and gpt-oss's are)."""
     from tests.support.checkpoint import build_checkpoint
 
-    return str(build_checkpoint(tmp_path_factory.mktemp("ck") / "m", config_overrides=dict(
-        hidden_size=4 * HEAD_DIM, num_attention_heads=4, num_key_value_heads=KV_HEADS,
-        intermediate_size=256)))
+    shape: dict[str, Any] = dict(hidden_size=4 * HEAD_DIM, num_attention_heads=4,
+                                 num_key_value_heads=KV_HEADS, intermediate_size=256)
+    if sliding_window is not None:
+        shape.update(sliding_window=sliding_window,
+                     layer_types=["sliding_attention", "full_attention"])  # 2 layers
+    return str(build_checkpoint(tmp_path_factory.mktemp("ck") / "m", config_overrides=shape))
 
 
 @contextmanager
