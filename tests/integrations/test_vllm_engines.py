@@ -232,6 +232,12 @@ def test_vllms_own_metrics_count_what_kvstore_loaded_and_what_vllm_recomputed(fr
     assert not by_source.get("p2p") and not by_source.get("external_unspecified"), by_source
 
 
+def test_an_instance_stops_as_vllm_stops_it(fresh):
+    """The connector joined Ray in vLLM's engine process, yet vLLM's own SIGTERM handling
+    stopped it (``host_signals``): no stack dump from Ray's signal handler."""
+    assert "SIGTERM received" not in fresh[1]
+
+
 def test_behind_a_pd_proxy_the_decode_leg_loads_what_the_prefill_leg_published(
         instance_a, reference, fresh):
     """vLLM's P/D proxies send the prefill leg with ``do_remote_decode`` and forward its
