@@ -7,7 +7,8 @@ processes, and ``ray.init`` makes itself the host of any process that calls it: 
 the Python SIGTERM handler with its driver's (``sys.exit``), and its core worker installs a
 native one that prints a stack dump, ``*** SIGTERM received ...``, before passing the signal
 on. Every stop of a vLLM instance with the connector then logged what looks like a crash, and
-ran Ray's exit instead of vLLM's. A library does not change its host's signal handling:
+ran Ray's exit instead of vLLM's (which left vLLM's shared-memory queue to Python's resource
+tracker, with a warning about a leak). A library does not change its host's signal handling:
 ``sigterm_kept`` puts back whatever handler the process had before it joined.
 """
 
