@@ -47,6 +47,7 @@ from kvstore.cluster.credentials import (
     with_redis_password,
 )
 from kvstore.cluster.head import keep_loopback_address
+from kvstore.cluster.host_signals import sigterm_kept
 from kvstore.cluster.names import (
     COORDINATOR_NAME,
     RAY_NAMESPACE,
@@ -108,7 +109,8 @@ def ensure_ray(address: str | Resolved | None = None, *, start_local: bool = Tru
         keep_loopback_address()
         # "local", never None: Ray would read its own address file and attach to whatever
         # `ray start` left there, alive or stale.
-        ray.init(address="local", include_dashboard=False, **kwargs)
+        with sigterm_kept():
+            ray.init(address="local", include_dashboard=False, **kwargs)
         return
     target = str(resolved.address)
     if resolved.recorded is not None and resolved.recorded.auth_mode:
@@ -120,7 +122,8 @@ def ensure_ray(address: str | Resolved | None = None, *, start_local: bool = Tru
         drop = "leave --address out" if resolved.source == "--address" else "unset RAY_ADDRESS"
         raise ClusterUnavailable(f"no Ray cluster answers at {target} (from "
                                  f"{resolved.source}): check it, or {drop}")
-    ray.init(address=target, **kwargs)
+    with sigterm_kept():  # a process with its own way to stop keeps it (vLLM's, serve's)
+        ray.init(address=target, **kwargs)
 
 
 def _alive_node_ids() -> list[str]:

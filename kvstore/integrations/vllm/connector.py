@@ -33,7 +33,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.errors import ConfigError
-from kvstore.integrations.vllm.host_signals import sigterm_kept
 from kvstore.integrations.vllm.namespace import (
     ModelGeometry,
     checkpoint_fingerprint,
@@ -174,10 +173,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         fingerprint = checkpoint_fingerprint(geometry.checkpoint)
         tag = device_label(vllm_config)
         # KVSTORE_* settings apply as to every kvstore client; a credential given here wins.
-        with sigterm_kept():  # joining Ray leaves vLLM's own SIGTERM handling in place
-            config = cluster_config(
-                load_config(overrides={"client": {"auth_token": extra.get("credential")}}),
-                address=extra.get("address"))
+        # (Joining Ray here leaves vLLM's own SIGTERM handler in place: host_signals.)
+        config = cluster_config(
+            load_config(overrides={"client": {"auth_token": extra.get("credential")}}),
+            address=extra.get("address"))
         tenants = tenancy(extra, config.client.auth_token,
                           parse_data_key(config.security.data_key))
         scheduler = role == KVConnectorRole.SCHEDULER

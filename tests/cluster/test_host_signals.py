@@ -1,10 +1,10 @@
-"""The connector joins Ray inside vLLM's processes and leaves their SIGTERM handling as it was.
+"""Joining Ray leaves a process's own SIGTERM handling as it was (``host_signals``).
 
 Each case runs in a process of its own (signal handlers are process-wide): the process installs
-its own handler, as vLLM's engine does, then does inside ``sigterm_kept`` what ``ray.init``
-does to a process that joins it (a Python handler of its own, and a native one set beneath
-Python, through libc), then sends itself SIGTERM. The real thing, with vLLM and Ray, is
-``test_vllm_engines``'s instance stopping without Ray's stack dump.
+its own handler, as vLLM's engine and ``kvstore serve`` do, then does inside ``sigterm_kept``
+what ``ray.init`` does to a process that joins it (a Python handler of its own, and a native
+one set beneath Python, through libc), then sends itself SIGTERM. The real thing, with vLLM
+and Ray, is ``test_vllm_engines``'s instance stopping without Ray's stack dump.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
-from tests.support.vllm_engines import ROOT
-
+ROOT = Path(__file__).resolve().parents[2]
 PRELUDE = textwrap.dedent("""
     import ctypes, os, signal, sys, threading, time
-    from kvstore.integrations.vllm.host_signals import sigterm_kept
+    from kvstore.cluster.host_signals import sigterm_kept
 
     def host(signum, frame):  # the host's own: says so, then stops cleanly
         print("host handler", flush=True)
@@ -64,15 +64,29 @@ def test_without_it_the_host_loses_its_handler():
     assert done.returncode == -15
 
 
-def test_a_default_handler_is_put_back_too():
+def test_without_a_handler_of_its_own_the_process_keeps_rays_python_one():
+    """A command that never set one: Ray's ``sys.exit`` stays (it unwinds, and stops what it
+    started), the native handler beneath it does not."""
     done = run("""
         with sigterm_kept():
-            signal.signal(signal.SIGTERM, lambda *a: print("ray handler", flush=True))
+            taken_over()
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
         print("not stopped")
     """)
-    assert done.stdout == "" and done.returncode == -15, (done.stdout, done.stderr)
+    assert done.stdout.splitlines() == ["ray handler"], done.stderr
+    assert done.returncode == 15
+
+
+def test_sigterm_ignored_stays_ignored():
+    done = run("""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with sigterm_kept():
+            taken_over()
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("not stopped")
+    """)
+    assert done.stdout.splitlines() == ["not stopped"], done.stderr
 
 
 def test_off_the_main_thread_nothing_is_touched():
