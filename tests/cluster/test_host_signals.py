@@ -14,6 +14,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PRELUDE = textwrap.dedent("""
     import ctypes, os, signal, sys, threading, time
@@ -37,56 +39,34 @@ def run(body: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60)
 
 
-def test_the_hosts_handler_is_back_after_ray_took_sigterm_over():
-    done = run("""
-        signal.signal(signal.SIGTERM, host)
-        with sigterm_kept():
+@pytest.mark.parametrize(("own", "guarded", "printed", "returncode"), [
+    # the host's handler is back after Ray took SIGTERM over
+    ("host", True, ["host handler"], 0),
+    # unguarded, the process dies by the signal and its handler never runs (so the first
+    # case can fail)
+    ("host", False, [], -15),
+    # a command that never set one keeps Ray's sys.exit (it unwinds, and stops what it
+    # started), not the native handler beneath it
+    (None, True, ["ray handler"], 15),
+    # SIGTERM ignored stays ignored
+    ("signal.SIG_IGN", True, ["not stopped"], 0),
+])
+def test_a_process_stops_on_sigterm_as_it_did_before_joining_ray(
+        own: str | None, guarded: bool, printed: list[str], returncode: int) -> None:
+    done = run(f"""
+        if {own!r}:
+            signal.signal(signal.SIGTERM, {own or "None"})
+        if {guarded}:
+            with sigterm_kept():
+                taken_over()
+        else:
             taken_over()
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(5)
+        time.sleep(2)
         print("not stopped")
     """)
-    assert done.stdout.splitlines() == ["host handler"], done.stderr
-    assert done.returncode == 0
-
-
-def test_without_it_the_host_loses_its_handler():
-    """The same, unguarded: the process dies by the signal, its handler never runs (so the
-    first test can fail)."""
-    done = run("""
-        signal.signal(signal.SIGTERM, host)
-        taken_over()
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(5)
-        print("not stopped")
-    """)
-    assert "host handler" not in done.stdout
-    assert done.returncode == -15
-
-
-def test_without_a_handler_of_its_own_the_process_keeps_rays_python_one():
-    """A command that never set one: Ray's ``sys.exit`` stays (it unwinds, and stops what it
-    started), the native handler beneath it does not."""
-    done = run("""
-        with sigterm_kept():
-            taken_over()
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(5)
-        print("not stopped")
-    """)
-    assert done.stdout.splitlines() == ["ray handler"], done.stderr
-    assert done.returncode == 15
-
-
-def test_sigterm_ignored_stays_ignored():
-    done = run("""
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        with sigterm_kept():
-            taken_over()
-        os.kill(os.getpid(), signal.SIGTERM)
-        print("not stopped")
-    """)
-    assert done.stdout.splitlines() == ["not stopped"], done.stderr
+    assert done.stdout.splitlines() == printed, done.stderr
+    assert done.returncode == returncode
 
 
 def test_off_the_main_thread_nothing_is_touched():
@@ -101,6 +81,6 @@ def test_off_the_main_thread_nothing_is_touched():
         t = threading.Thread(target=elsewhere)
         t.start(); t.join()
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(5)
+        time.sleep(2)
     """)
     assert done.stdout.splitlines() == ["host handler"], done.stderr
