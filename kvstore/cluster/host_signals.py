@@ -5,9 +5,8 @@ SIGTERM handler with its driver's (``sys.exit``), and its core worker installs a
 beneath Python that prints a stack dump, ``*** SIGTERM received ... PC: @``, before passing
 the signal on. kvstore joins Ray from processes that are not its own: vLLM's engine and worker
 processes (the connector), whose handler shuts the engine down cleanly, and ``kvstore serve``,
-whose handler stops the service in order. Under Ray's, every stop of a vLLM instance with the
-connector logged what reads as a crash and ran Ray's exit instead of vLLM's (which left vLLM's
-shared-memory queue to Python's resource tracker, with a warning about a leak).
+whose handler stops the service in order; under Ray's, each would stop by Ray's exit instead,
+after a dump that reads as a crash.
 
 ``sigterm_kept`` keeps the process's own handler where it had one, and otherwise Ray's
 ``sys.exit`` (a command with no handler of its own then still unwinds, and stops what it

@@ -109,19 +109,19 @@ def ensure_ray(address: str | Resolved | None = None, *, start_local: bool = Tru
         keep_loopback_address()
         # "local", never None: Ray would read its own address file and attach to whatever
         # `ray start` left there, alive or stale.
-        with sigterm_kept():
-            ray.init(address="local", include_dashboard=False, **kwargs)
-        return
-    target = str(resolved.address)
-    if resolved.recorded is not None and resolved.recorded.auth_mode:
-        os.environ.setdefault("RAY_AUTH_MODE", resolved.recorded.auth_mode)
-    if resolved.recorded is not None and resolved.recorded.loopback:
-        keep_loopback_address()  # a head `kvstore start` made: it listens on loopback only
-    if not target.startswith("ray://") and not answers(target):
-        # Not "run `kvstore start`": with this address still given, it fails the same way.
-        drop = "leave --address out" if resolved.source == "--address" else "unset RAY_ADDRESS"
-        raise ClusterUnavailable(f"no Ray cluster answers at {target} (from "
-                                 f"{resolved.source}): check it, or {drop}")
+        target, kwargs["include_dashboard"] = "local", False
+    else:
+        target = str(resolved.address)
+        if resolved.recorded is not None and resolved.recorded.auth_mode:
+            os.environ.setdefault("RAY_AUTH_MODE", resolved.recorded.auth_mode)
+        if resolved.recorded is not None and resolved.recorded.loopback:
+            keep_loopback_address()  # a head `kvstore start` made: it listens on loopback only
+        if not target.startswith("ray://") and not answers(target):
+            # Not "run `kvstore start`": with this address still given, it fails the same way.
+            drop = ("leave --address out" if resolved.source == "--address"
+                    else "unset RAY_ADDRESS")
+            raise ClusterUnavailable(f"no Ray cluster answers at {target} (from "
+                                     f"{resolved.source}): check it, or {drop}")
     with sigterm_kept():  # a process with its own way to stop keeps it (vLLM's, serve's)
         ray.init(address=target, **kwargs)
 
