@@ -1,5 +1,7 @@
 """Joining Ray from a process that has its own way to stop, without taking that over.
 
+Two things stand between a process and its own stop once it joins Ray.
+
 ``ray.init`` makes itself the host of any process that calls it: it replaces the Python
 SIGTERM handler with its driver's (``sys.exit``), and its core worker installs a native one
 beneath Python that prints a stack dump, ``*** SIGTERM received ... PC: @``, before passing
@@ -16,9 +18,12 @@ started, on SIGTERM), in both cases without the native dump.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -38,3 +43,39 @@ def sigterm_kept() -> Iterator[None]:
             keep = before if own else signal.getsignal(signal.SIGTERM)
             if keep is not None:  # None: a handler not set from Python, not put back
                 signal.signal(signal.SIGTERM, keep)
+
+
+@contextlib.contextmanager
+def own_process_groups() -> Iterator[None]:
+    """Within the block, every process Ray starts itself (``ray.init`` of a private instance:
+    GCS, raylet, agents) leads a process group of its own. Only where the kernel kills them
+    with their parent (Linux's parent-death signal, which Ray then sets): elsewhere Ray's
+    reaper ends them by signalling the caller's group, so they must stay in it. Does nothing
+    if Ray no longer starts its processes through ``ConsolePopen``."""
+    import ray._private.services as services
+    import ray._private.utils as ray_utils
+
+    original = getattr(services, "ConsolePopen", None)
+    if (original is None or not sys.platform.startswith("linux")
+            or not ray_utils.detect_fate_sharing_support()):
+        yield
+        return
+
+    class OwnGroupPopen(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["preexec_fn"] = _leading_own_group(kwargs.get("preexec_fn"))
+            super().__init__(*args, **kwargs)
+
+    setattr(services, "ConsolePopen", OwnGroupPopen)  # a class: mypy refuses a plain assignment
+    try:
+        yield
+    finally:
+        setattr(services, "ConsolePopen", original)
+
+
+def _leading_own_group(then: Callable[[], Any] | None) -> Callable[[], None]:
+    def preexec() -> None:  # in the child, between fork and exec
+        os.setpgid(0, 0)
+        if then is not None:
+            then()
+    return preexec

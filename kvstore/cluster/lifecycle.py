@@ -47,7 +47,7 @@ from kvstore.cluster.credentials import (
     with_redis_password,
 )
 from kvstore.cluster.head import keep_loopback_address
-from kvstore.cluster.host_signals import sigterm_kept
+from kvstore.cluster.host_signals import own_process_groups, sigterm_kept
 from kvstore.cluster.names import (
     COORDINATOR_NAME,
     RAY_NAMESPACE,
@@ -122,7 +122,9 @@ def ensure_ray(address: str | Resolved | None = None, *, start_local: bool = Tru
                     else "unset RAY_ADDRESS")
             raise ClusterUnavailable(f"no Ray cluster answers at {target} (from "
                                      f"{resolved.source}): check it, or {drop}")
-    with sigterm_kept():  # a process with its own way to stop keeps it (vLLM's, serve's)
+    # A process with its own way to stop keeps it (vLLM's, serve's), and a private Ray's
+    # processes are out of the reach of a signal to the caller's process group.
+    with sigterm_kept(), own_process_groups():
         ray.init(address=target, **kwargs)
 
 

@@ -1,8 +1,9 @@
 """A live ``kvstore serve`` in a process of its own, for tests that talk HTTP to it.
 
 It brings up its own private Ray and store (the embedded default), on a free port, and is
-stopped by its PID: SIGINT first (the server deletes its application and stops what it started),
-then SIGKILL of its whole process group if it does not exit in time.
+stopped by its PID: a signal first, SIGINT or SIGTERM, to it or to its whole process group (the
+server deletes its application and stops what it started), then SIGKILL of the group if it does
+not exit in time.
 """
 
 from __future__ import annotations
@@ -35,10 +36,15 @@ class ServeProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
-    def stop(self, timeout_s: float = 90.0) -> int | None:
-        """Ctrl-C, then the process group by force; the exit code (None if killed)."""
+    def stop(self, timeout_s: float = 90.0, sig: int = signal.SIGINT, *,
+             whole_group: bool = False) -> int | None:
+        """``sig`` (Ctrl-C's by default) to the server, or to its whole process group as GNU
+        ``timeout`` sends it; then the group by force. The exit code (None if killed)."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            if whole_group:
+                os.killpg(self.proc.pid, sig)
+            else:
+                self.proc.send_signal(sig)
             try:
                 return self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
