@@ -18,6 +18,7 @@ started, on SIGTERM), in both cases without the native dump.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import signal
 import sys
@@ -52,8 +53,9 @@ def own_process_groups() -> Iterator[None]:
     with their parent (Linux's parent-death signal, which Ray then sets): elsewhere Ray's
     reaper ends them by signalling the caller's group, so they must stay in it. Does nothing
     if Ray no longer starts its processes through ``ConsolePopen``."""
-    import ray._private.services as services
     import ray._private.utils as ray_utils
+
+    services: Any = importlib.import_module("ray._private.services")  # its class is replaced
 
     original = getattr(services, "ConsolePopen", None)
     if (original is None or not sys.platform.startswith("linux")
@@ -66,11 +68,11 @@ def own_process_groups() -> Iterator[None]:
             kwargs["preexec_fn"] = _leading_own_group(kwargs.get("preexec_fn"))
             super().__init__(*args, **kwargs)
 
-    setattr(services, "ConsolePopen", OwnGroupPopen)  # a class: mypy refuses a plain assignment
+    services.ConsolePopen = OwnGroupPopen
     try:
         yield
     finally:
-        setattr(services, "ConsolePopen", original)
+        services.ConsolePopen = original
 
 
 def _leading_own_group(then: Callable[[], Any] | None) -> Callable[[], None]:
