@@ -406,7 +406,10 @@ class ServeConfig:
     prefix_routing: PrefixRouting = "auto"
 
     def __post_init__(self) -> None:
-        _check(0 <= self.port < 65536, "serve.port must be in [0, 65535]")
+        # Not 0: the server must know its own address (clients, --ready-file, the health
+        # wait), and Serve's proxy does not say which port it picked.
+        _check(0 < self.port < 65536, "serve.port must be in [1, 65535] (the server's "
+               "address must be known: pick a free port)")
         _check(self.prefix_routing in get_args(PrefixRouting),
                f"serve.prefix_routing must be one of {list(get_args(PrefixRouting))}, got "
                f"{self.prefix_routing!r}")

@@ -144,11 +144,8 @@ def check_port(host: str, port: int) -> None:
     """Refuse, before anything slow starts, a ``host:port`` this machine cannot listen on.
 
     Bound and released at once with ``SO_REUSEADDR``, as the HTTP proxy binds it, so a port
-    whose last connections linger in TIME_WAIT passes and only a listener refuses it. Port 0
-    (any free port) is not checked.
+    whose last connections linger in TIME_WAIT passes and only a listener refuses it.
     """
-    if port == 0:
-        return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -226,6 +223,10 @@ def cmd_serve(args: argparse.Namespace, engine: ServeEngine | None = None) -> in
         lifecycle.ensure_ray(resolved)
     started_cluster = False
     try:
+        # A stop asked for while starting (Ctrl-C, SIGTERM) is taken at the next phase: what
+        # has started is stopped in order, and nothing more is started.
+        if stop.is_set():
+            return 0
         num_prefill = initial_replicas(sc, sc.prefill_replicas)
         num_decode = initial_replicas(sc, sc.decode_replicas)
         # Decided before anything starts: too few GPUs in the cluster fail here, at once.
@@ -236,6 +237,8 @@ def cmd_serve(args: argparse.Namespace, engine: ServeEngine | None = None) -> in
             with steps.phase("starting the store (a coordinator and a store node)"):
                 lifecycle.start(config)
             started_cluster = True
+        if stop.is_set():
+            return 0
         host = "127.0.0.1" if sc.host in ("0.0.0.0", "::") else sc.host
         url = f"http://{host}:{sc.port}"
         with steps.phase(f"starting Ray Serve: {num_prefill} prefill and {num_decode} decode "
@@ -244,6 +247,8 @@ def cmd_serve(args: argparse.Namespace, engine: ServeEngine | None = None) -> in
             serve.run(build_app(config, args.tokenizer, gpus, engine), name=APP_NAME,
                       route_prefix="/", blocking=False)
             _wait_ready(url, stop, gpus)
+        if stop.is_set():  # never said to be ready
+            return 0
         if args.ready_file:
             Path(args.ready_file).write_text(url + "\n")
         engines = "" if engine.name == kvstore_engine().name else f" {engine.name}"
