@@ -68,7 +68,10 @@ def listening(pids: set[int]) -> list[tuple[str, int]]:
 
 
 def on_loopback(host_ip: str) -> bool:
-    """127.0.0.0/8 or ::1, also as an IPv4-mapped IPv6 address (``::ffff:127.0.0.1``)."""
+    """127.0.0.0/8 or ::1, also as an IPv4-mapped IPv6 address (``::ffff:127.0.0.1``); ``ss``'s
+    ``*`` (every address) is not."""
+    if host_ip == "*":
+        return False
     ip = ipaddress.ip_address(host_ip)
     mapped = getattr(ip, "ipv4_mapped", None)
     return (mapped or ip).is_loopback
@@ -221,6 +224,44 @@ def test_a_signal_to_the_process_group_reaches_the_embedded_default_alone(
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(10)
+        kill_survivors(tree)
+
+
+def test_the_demo_stopped_while_starting_listens_on_loopback_and_leaves_nothing(
+        tmp_path: Path) -> None:
+    """`kvstore demo` always starts a Ray of its own: on loopback only, as every private one.
+    SIGTERM to its process group while its replicas start (as `timeout` sends it) stops
+    what had started in order: no process of it left, and no arena in /dev/shm."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "RAY_"))}
+    env[address.STATE_DIR_ENV] = str(tmp_path / "state")
+    env["RAY_AUTH_MODE"] = "disabled"
+    arenas_before = set(Path("/dev/shm").glob("kvstore-arena-*"))
+    log_path = tmp_path / "demo.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([*KVSTORE, "demo", "--model", "tiny", "--threads", "1"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    tree = []
+    try:
+        deadline = time.monotonic() + 180
+        while "starting the store" not in log_path.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        tree = process_tree(proc.pid)
+        sockets = listening({p.pid for p in tree})
+        assert sockets, "the private Ray listens somewhere"
+        assert [s for s in sockets if not on_loopback(s[0])] == []
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(120)
+        out = log_path.read_text(errors="replace")
+        assert "stopping the replicas and the store" in out, out
+        time.sleep(2)
+        assert [p for p in tree if arena_files.owner_state(p) == "alive"] == []
+        assert set(Path("/dev/shm").glob("kvstore-arena-*")) - arenas_before == set()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
         kill_survivors(tree)
 

@@ -14,8 +14,6 @@ loading their model) are phases of the caller's ``Steps``, so a command shows wh
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, get_args
 
@@ -76,52 +74,36 @@ class Deployment:
         self.started_ray = False
         #: GPUs each Ray replica asked for (``kvstore.workers.replicas.placement``); 0 in-process.
         self.gpus_per_replica = 0.0
+        self.prefills: list[Any] = []
+        self.decodes: list[Any] = []
+        try:
+            self._bring_up(address, own_ray, num_prefill, num_decode, max_in_flight,
+                           start_timeout_s, prefill_resources, decode_resources)
+        except BaseException:  # Ctrl-C, SIGTERM's SystemExit, a replica that fails to start
+            self.close()  # what started stops in order (the store node unlinks its arena)
+            raise
+
+    def _bring_up(self, address: str | None, own_ray: bool, num_prefill: int,
+                  num_decode: int, max_in_flight: int, start_timeout_s: float,
+                  prefill_resources: dict[str, float] | None,
+                  decode_resources: dict[str, float] | None) -> None:
+        config = self.config
         replicas = (f"{num_prefill} prefill and {num_decode} decode replicas of model "
                     f"{config.worker.model}")
-        if mode == "inprocess":
+        if self.mode == "inprocess":
             self.store: Any = LocalStore()
             with self.steps.phase(f"loading {replicas} in this process"):
-                self.prefills: list[Any] = [
-                    PrefillWorker(config, lambda: self.store, f"prefill-{i}")
-                    for i in range(num_prefill)]
-                self.decodes: list[Any] = [
-                    DecodeWorker(config, lambda: self.store, f"decode-{i}")
-                    for i in range(num_decode)]
+                self.prefills = [PrefillWorker(config, lambda: self.store, f"prefill-{i}")
+                                 for i in range(num_prefill)]
+                self.decodes = [DecodeWorker(config, lambda: self.store, f"decode-{i}")
+                                for i in range(num_decode)]
             prefill_nodes = [p.node_id() for p in self.prefills]
             decode_nodes = [d.node_id() for d in self.decodes]
             calls: InlineCalls | RayCalls = InlineCalls()
         else:
-            from kvstore.cluster import lifecycle
-            from kvstore.cluster.names import coordinator_handle
-
-            self._connect_ray(address, own_ray)
-            # Decided before anything starts: too few GPUs in the cluster fail here, at once.
-            self.gpus_per_replica = replica_gpus(config.worker, num_prefill + num_decode)
-            try:
-                coordinator_handle()
-            except NodeUnavailable:  # nothing running: the embedded default
-                with self.steps.phase("starting the store (a coordinator and a store node)"):
-                    lifecycle.start(config)
-                self.started_cluster = True
-            # What the running cluster hands its clients and this config lacks: the token, the
-            # CA and the data key (a secure cluster's keyed namespaces), for every replica too.
-            config = lifecycle.cluster_config(config)
-            self.store = lifecycle.connect(config)
-            factory = cluster_store_factory(config)
-            check_resources(prefill_resources, "--prefill-resource")
-            check_resources(decode_resources, "--decode-resource")
-            # Placement by custom resource (the prefill/decode node types of the deploy files)
-            # and by GPU.
-            pre = replica_actor(PrefillWorker, prefill_resources, self.gpus_per_replica)
-            dec = replica_actor(DecodeWorker, decode_resources, self.gpus_per_replica)
-            with self.steps.phase(f"starting {replicas}"):
-                self.prefills = [pre.remote(config, factory, f"prefill-{i}")
-                                 for i in range(num_prefill)]
-                self.decodes = [dec.remote(config, factory, f"decode-{i}")
-                                for i in range(num_decode)]
-                nodes = self._wait_started(start_timeout_s, {"prefill": prefill_resources,
-                                                             "decode": decode_resources})
-            prefill_nodes, decode_nodes = nodes[:num_prefill], nodes[num_prefill:]
+            prefill_nodes, decode_nodes = self._start_on_ray(
+                address, own_ray, num_prefill, num_decode, replicas, start_timeout_s,
+                prefill_resources, decode_resources)
             calls = RayCalls()
         self.namespace = self._call(self.prefills[0], "namespace")
         #: The prefill replicas' reuse policy
@@ -136,31 +118,48 @@ class Deployment:
         self.pipeline = RequestPipeline(calls, self.prefills, self.decodes, self.router,
                                    self.decode_router, max_in_flight, self.reuse["resume"])
 
-    def _connect_ray(self, address: str | None, own_ray: bool) -> None:
-        """Attach to the cluster ``address`` names (``kvstore.cluster.address``), else start a
-        private local Ray: always with ``own_ray``, never someone else's cluster by accident."""
-        import ray
-
+    def _start_on_ray(self, address: str | None, own_ray: bool, num_prefill: int,
+                      num_decode: int, replicas: str, start_timeout_s: float,
+                      prefill_resources: dict[str, float] | None,
+                      decode_resources: dict[str, float] | None
+                      ) -> tuple[list[str], list[str]]:
+        """Ray, the store when none runs (the embedded default), then the replicas; each
+        recorded on ``self`` as it starts, so ``close`` stops what did. Their nodes."""
         from kvstore.cluster import lifecycle
-        from kvstore.cluster.address import LOCAL, auth_mode_for_private_ray, resolve
-        from kvstore.cluster.names import RAY_NAMESPACE
+        from kvstore.cluster.names import coordinator_handle
 
-        if ray.is_initialized():
-            return
-        if own_ray and address is None:
-            # Its auth mode is decided here, as for every private instance, so a token file in
-            # ~/.ray does not turn token auth (and Ray's warning about it) on.
-            os.environ.setdefault("RAY_AUTH_MODE", auth_mode_for_private_ray())
-            with self.steps.phase("starting a private Ray instance"):
-                ray.init(address="local", namespace=RAY_NAMESPACE, include_dashboard=False,
-                         logging_level=logging.WARNING, log_to_driver=False)
-            self.started_ray = True
-            return
-        resolved = resolve(address)
-        label = ("starting a private Ray instance" if resolved.address in (None, LOCAL)
-                 else f"connecting to Ray at {resolved.address}")
-        with self.steps.phase(label):
-            lifecycle.ensure_ray(resolved)
+        config = self.config
+        self._connect_ray(address, own_ray)
+        # Decided before anything starts: too few GPUs in the cluster fail here, at once.
+        self.gpus_per_replica = replica_gpus(config.worker, num_prefill + num_decode)
+        try:
+            coordinator_handle()
+        except NodeUnavailable:  # nothing running: the embedded default
+            with self.steps.phase("starting the store (a coordinator and a store node)"):
+                lifecycle.start(config)
+            self.started_cluster = True
+        # What the running cluster hands its clients and this config lacks: the token, the
+        # CA and the data key (a secure cluster's keyed namespaces), for every replica too.
+        config = lifecycle.cluster_config(config)
+        self.store = lifecycle.connect(config)
+        factory = cluster_store_factory(config)
+        check_resources(prefill_resources, "--prefill-resource")
+        check_resources(decode_resources, "--decode-resource")
+        # Placement by custom resource (the prefill/decode node types of the deploy files)
+        # and by GPU.
+        pre = replica_actor(PrefillWorker, prefill_resources, self.gpus_per_replica)
+        dec = replica_actor(DecodeWorker, decode_resources, self.gpus_per_replica)
+        with self.steps.phase(f"starting {replicas}"):
+            self.prefills = [pre.remote(config, factory, f"prefill-{i}")
+                             for i in range(num_prefill)]
+            self.decodes = [dec.remote(config, factory, f"decode-{i}")
+                            for i in range(num_decode)]
+            nodes = self._wait_started(start_timeout_s, {"prefill": prefill_resources,
+                                                         "decode": decode_resources})
+        return nodes[:num_prefill], nodes[num_prefill:]
+
+    def _connect_ray(self, address: str | None, own_ray: bool) -> None:
+        self.started_ray = connect_ray(address, own_ray, self.steps)
 
     def _wait_started(self, timeout_s: float,
                       resources: dict[str, dict[str, float] | None]) -> list[str]:
@@ -206,15 +205,18 @@ class Deployment:
         return self.run(kind, [(request_id, token_ids)], sampling)[0]
 
     def close(self) -> None:
-        """Stop the replicas (and the embedded cluster if this deployment started it)."""
-        if self.mode == "inprocess":
-            self.store.close()
+        """Stop the replicas (and the embedded cluster if this deployment started it); also
+        what a start that failed part-way had started."""
+        store = getattr(self, "store", None)  # a start that failed early has none
+        actors = self.prefills + self.decodes
+        if self.mode == "inprocess" or not (actors or self.started_cluster or self.started_ray):
+            if store is not None:
+                store.close()
             return
         import ray
 
         from kvstore.cluster import lifecycle
 
-        actors = self.prefills + self.decodes
         with self.steps.phase("stopping the replicas"
                               + (" and the store" if self.started_cluster else "")):
             with contextlib.suppress(Exception):  # a dead replica is killed below all the same
@@ -225,7 +227,8 @@ class Deployment:
             # deployment, and this process's last tallies go to its node while it is up (a
             # cluster already gone loses them, never the stop below).
             with contextlib.suppress(Exception):
-                self.store.close()
+                if store is not None:
+                    store.close()
             if self.started_cluster:
                 lifecycle.stop(self.config)
             if self.started_ray:
@@ -264,3 +267,23 @@ def check_resources(resources: dict[str, float] | None, flag: str) -> None:
                               f"{name!r}; start one with ray start --resources "
                               f"'{{\"{name}\": 1}}'")
 
+
+
+def connect_ray(address: str | None, own_ray: bool, steps: Steps) -> bool:
+    """Attach to the cluster ``address`` names (``kvstore.cluster.address``), else start a
+    private local Ray: always with ``own_ray`` (the demo), never someone else's cluster by
+    accident. Every private one is ``ensure_ray``'s (loopback only, its processes out of the
+    caller's process group). Whether this call started a private Ray of its own."""
+    import ray
+
+    from kvstore.cluster import lifecycle
+    from kvstore.cluster.address import LOCAL, Resolved, resolve
+
+    if ray.is_initialized():
+        return False
+    resolved = (Resolved(LOCAL, "none") if own_ray and address is None else resolve(address))
+    private = resolved.address in (None, LOCAL)
+    with steps.phase("starting a private Ray instance" if private
+                     else f"connecting to Ray at {resolved.address}"):
+        lifecycle.ensure_ray(resolved)
+    return private and own_ray
