@@ -121,10 +121,12 @@ def bench_ray(keys: list[bytes], repeats: int) -> dict[str, float]:
     import ray
 
     from kvstore.cluster.address import auth_mode_for_private_ray
+    from kvstore.cluster.head import keep_loopback_address
     from kvstore.coordinator.actor import Coordinator
 
     # a private instance: its auth mode decided here, as kvstore decides it (no warning)
     os.environ.setdefault("RAY_AUTH_MODE", auth_mode_for_private_ray())
+    keep_loopback_address()  # a private Ray, as kvstore starts one: on loopback only
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         # Any: the actor handle's methods are typed as the plain class's, without .remote.

@@ -118,6 +118,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
     from kvstore.cluster import lifecycle
+    from kvstore.cluster.head import keep_loopback_address
     from kvstore.cluster.names import RAY_NAMESPACE
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -131,8 +132,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     index = IndexConfig(backend="redis", redis_url=args.redis_url) if args.index == "redis" \
         else IndexConfig()
     config = KVStoreConfig(pool=PoolConfig(capacity_bytes=256 << 20), index=index)
+    keep_loopback_address()  # a private Ray, as kvstore starts one: on loopback only
     ray.init(address="local", namespace=RAY_NAMESPACE, include_dashboard=False,
-                   logging_level=logging.WARNING, log_to_driver=False)
+             logging_level=logging.WARNING, log_to_driver=False)
     try:
         lifecycle.start(config)
         store = lifecycle.connect(config)

@@ -288,9 +288,11 @@ def main() -> None:
 
     import ray
 
+    from kvstore.cluster.head import keep_loopback_address
     from kvstore.cluster.names import RAY_NAMESPACE
 
     os.environ["RAY_AUTH_MODE"] = "disabled"  # the same mode for every process we start
+    keep_loopback_address()  # a private Ray, as kvstore starts one: on loopback only
     ray.init(address="local", num_cpus=2, namespace=RAY_NAMESPACE, include_dashboard=False,
              logging_level=logging.WARNING, log_to_driver=False)
     address = ray.get_runtime_context().gcs_address
