@@ -1,6 +1,6 @@
 """Joining Ray from a process that has its own way to stop, without taking that over.
 
-Two things stand between a process and its own stop once it joins Ray.
+Three things stand between a process and its own stop once it joins Ray.
 
 ``ray.init`` makes itself the host of any process that calls it: it replaces the Python
 SIGTERM handler with its driver's (``sys.exit``), and its core worker installs a native one
@@ -13,6 +13,21 @@ after a dump that reads as a crash.
 ``sigterm_kept`` keeps the process's own handler where it had one, and otherwise Ray's
 ``sys.exit`` (a command with no handler of its own then still unwinds, and stops what it
 started, on SIGTERM), in both cases without the native dump.
+
+A private Ray (the embedded default) is started as this process's children: its GCS, raylet
+and agents, in the caller's process group. A signal to the whole group (GNU ``timeout``, ``kill
+-- -PGID``) then reached them at the moment it reached the caller: the GCS was gone before the
+caller's handler could stop anything in order, the stop waited a minute for it, and the store
+node's arena was left behind. ``own_process_groups`` starts each of them as the leader of a
+group of its own, as Ray already does on Windows and with its workers; they still die with
+the caller, by the kernel's parent-death signal Ray sets on each of them.
+
+And Ray ends any process that joined it once the cluster's GCS has been unreachable for a
+minute (``gcs_rpc_server_reconnect_timeout_s``: "The program will terminate"). For a process
+kvstore is a guest in (vLLM's engine and workers, through the connector) that would turn a
+kvstore cluster stopped or lost into a dead inference engine, when all it should cost is
+recomputed prefixes. ``outlive_the_cluster`` lifts that limit for such a process before it
+joins (an operator's own setting wins).
 """
 
 from __future__ import annotations
@@ -81,3 +96,17 @@ def _leading_own_group(then: Callable[[], Any] | None) -> Callable[[], None]:
         if then is not None:
             then()
     return preexec
+
+
+#: Ray's limit on a GCS outage before it ends a process that joined it, as Ray reads it from
+#: the environment when it joins; and the value ``outlive_the_cluster`` gives it: ten years.
+GCS_RECONNECT_TIMEOUT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
+OUTLIVE_S = 10 * 365 * 24 * 3600
+
+
+def outlive_the_cluster() -> None:
+    """Before this process joins Ray: never be ended by Ray because the cluster's GCS went
+    away (a kvstore cluster stopped, its head lost). What kvstore then asks of the cluster
+    fails as a node that does not answer does, which its clients turn into misses. Processes
+    this one starts inherit it."""
+    os.environ.setdefault(GCS_RECONNECT_TIMEOUT_ENV, str(OUTLIVE_S))

@@ -163,6 +163,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        from kvstore.cluster.host_signals import outlive_the_cluster
         from kvstore.cluster.lifecycle import cluster_config, connect
         from kvstore.config_loader import load_config
         from kvstore.security.data_keys import parse_data_key
@@ -173,7 +174,9 @@ class KVStoreConnector(KVConnectorBase_V1):
         fingerprint = checkpoint_fingerprint(geometry.checkpoint)
         tag = device_label(vllm_config)
         # KVSTORE_* settings apply as to every kvstore client; a credential given here wins.
-        # (Joining Ray here leaves vLLM's own SIGTERM handler in place: host_signals.)
+        # Joining Ray here leaves vLLM's own SIGTERM handler in place, and the kvstore cluster
+        # going away never ends vLLM's processes (host_signals).
+        outlive_the_cluster()
         config = cluster_config(
             load_config(overrides={"client": {"auth_token": extra.get("credential")}}),
             address=extra.get("address"))
