@@ -93,9 +93,13 @@ from kvstore.cluster.host_signals import outlive_the_cluster
 from kvstore.cluster.lifecycle import ensure_ray
 outlive_the_cluster()  # what the vLLM connector does before it joins
 ensure_ray(sys.argv[1], start_local=False)
+import ray
+ray.nodes()
+time.sleep(5)  # up a while, as an instance is: one whose GCS goes within moments of
+# joining was still ended once (Ray judges a connection by when it last saw it up)
 print("UP", flush=True)
 sys.stdin.readline()  # the cluster is gone now
-time.sleep(75)  # past Ray's minute without its GCS
+time.sleep(70)  # past Ray's minute without its GCS
 print("ALIVE", flush=True)
 """
 
