@@ -173,61 +173,6 @@ def test_the_embedded_defaults_private_ray_listens_on_loopback_only(tmp_path: Pa
         proc.wait(timeout=60)
 
 
-STOPPED_BY_ITS_GROUP = """
-import signal, sys, threading
-import ray
-from kvstore.cluster.lifecycle import ensure_ray
-stop = threading.Event()
-signal.signal(signal.SIGTERM, lambda *_: stop.set())  # its own way to stop, as serve's
-ensure_ray(None)
-
-@ray.remote
-def answer():
-    return 42
-
-@ray.remote
-class Counter:
-    def value(self):
-        return 7
-
-print("UP", ray.get(answer.remote(), timeout=60), flush=True)
-stop.wait()
-# Ray still answers, GCS and raylet included: a new actor is registered and placed
-print("AFTER", ray.get(Counter.remote().value.remote(), timeout=30), flush=True)
-ray.shutdown()
-"""
-
-
-def test_a_signal_to_the_process_group_reaches_the_embedded_default_alone(
-        tmp_path: Path) -> None:
-    """GNU ``timeout`` or ``kill -- -PGID`` signal a whole process group. The private Ray a
-    command on the embedded default starts (GCS, raylet, agents) is out of it: the command's
-    own handler still has Ray to stop what it started in order (``kvstore serve``: its
-    application, then the store node, which unlinks its arena), and Ray then goes with it."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "RAY_"))}
-    env[address.STATE_DIR_ENV] = str(tmp_path / "state")
-    env["RAY_AUTH_MODE"] = "disabled"
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
-    proc = subprocess.Popen([sys.executable, "-c", STOPPED_BY_ITS_GROUP], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    tree = []
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().split() == ["UP", "42"]
-        tree = process_tree(proc.pid)
-        os.killpg(proc.pid, signal.SIGTERM)
-        out, err = proc.communicate(timeout=90)
-        assert out.split() == ["AFTER", "7"], err[-2000:]
-        assert proc.returncode == 0, err[-2000:]
-        time.sleep(2)  # ray.shutdown ends its processes; give the kernel a moment to reap
-        assert [p for p in tree if arena_files.owner_state(p) == "alive"] == []
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        kill_survivors(tree)
-
-
 def test_the_demo_stopped_while_starting_listens_on_loopback_and_leaves_nothing(
         tmp_path: Path) -> None:
     """`kvstore demo` always starts a Ray of its own: on loopback only, as every private one.

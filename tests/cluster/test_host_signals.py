@@ -99,7 +99,7 @@ time.sleep(5)  # up a while, as an instance is: one whose GCS goes within moment
 # joining was still ended once (Ray judges a connection by when it last saw it up)
 print("UP", flush=True)
 sys.stdin.readline()  # the cluster is gone now
-time.sleep(70)  # past Ray's minute without its GCS
+time.sleep(64)  # past Ray's minute without its GCS (gone before this line)
 print("ALIVE", flush=True)
 """
 
