@@ -129,7 +129,7 @@ class Deployment:
         from kvstore.cluster.names import coordinator_handle
 
         config = self.config
-        self._connect_ray(address, own_ray)
+        self.started_ray = connect_ray(address, own_ray, self.steps)
         # Decided before anything starts: too few GPUs in the cluster fail here, at once.
         self.gpus_per_replica = replica_gpus(config.worker, num_prefill + num_decode)
         try:
@@ -157,9 +157,6 @@ class Deployment:
             nodes = self._wait_started(start_timeout_s, {"prefill": prefill_resources,
                                                          "decode": decode_resources})
         return nodes[:num_prefill], nodes[num_prefill:]
-
-    def _connect_ray(self, address: str | None, own_ray: bool) -> None:
-        self.started_ray = connect_ray(address, own_ray, self.steps)
 
     def _wait_started(self, timeout_s: float,
                       resources: dict[str, dict[str, float] | None]) -> list[str]:
