@@ -1,15 +1,19 @@
-"""Every kvstore endpoint serves /metrics, and a cold + warm run moves them by exactly what it did.
+"""How a running cluster's servers serve and run: every kvstore endpoint serves /metrics, and a
+cold + warm run moves them by exactly what it did; the servers on the data path undo Ray's
+worker niceness.
 
 A real 2-node Ray cluster, kvstore started with its default metrics settings (a free loopback
 port per store node and for the coordinator, found through ``status``), the real client in the
 driver, and a real HTTP scrape parsed by ``prometheus_client.parser``. The references are what
 the run itself saw (its FetchedBlocks and Misses, the bytes it wrote) and what ``status`` and the
-store nodes' ``stats()`` count.
+store nodes' ``stats()`` count. (One module, one cluster: a cluster's start is most of a
+module's time.)
 """
 
 # ruff: noqa: F811  (the cluster fixtures are imported, then named as test arguments)
 from __future__ import annotations
 
+import os
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -161,3 +165,29 @@ def test_an_invalidation_is_counted_as_evictions_by_cause(
     assert moved(after, before, "kvstore_evictions_total", node_id=a, cause="invalidate") == \
         evicted
     assert moved(after, before, "kvstore_evictions_total", node_id=a, cause="watermark") == 0
+
+
+# -- the servers' priority -----------------------------------------------------------------------
+
+def _thread_niceness(_: object) -> set[int]:
+    """Every thread's niceness in the calling actor's process."""
+    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir("/proc/self/task")}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or os.geteuid() != 0,
+                    reason="raising a priority needs root (or CAP_SYS_NICE) on Linux")
+def test_the_servers_on_the_data_path_run_at_normal_priority(
+        kv: KVStoreConfig, ray_nodes: list[str]) -> None:
+    """Ray starts its workers at nice 15; the store nodes and the coordinator (whose index
+    service answers lookups and publishes) undo it in every thread, while a plain actor of
+    the same cluster stays as Ray started it (so the test sees Ray's niceness at all: on the
+    threads of Python's, the ones that run the actor's methods; Ray's own threads of C++,
+    started before it lowers the priority, keep 0)."""
+    plain = ray.remote(num_cpus=0)(type("Plain", (), {})).remote()
+    try:
+        assert 15 in ray.get(plain.__ray_call__.remote(_thread_niceness))
+    finally:
+        ray.kill(plain)
+    assert ray.get(coordinator_handle().__ray_call__.remote(_thread_niceness)) == {0}
+    for node_id in ray_nodes:
+        assert ray.get(store_actor(node_id).__ray_call__.remote(_thread_niceness)) == {0}
