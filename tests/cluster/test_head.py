@@ -144,40 +144,13 @@ def test_the_local_head_answers_nothing_from_another_host(
             head.stop_head(rec)  # whatever `stop` left, by its process group and temp dir
 
 
-EMBEDDED = """
-import sys
-from kvstore.cluster.lifecycle import ensure_ray
-ensure_ray(None)  # nothing named or recorded: the embedded default's private Ray
-print("UP", flush=True)
-sys.stdin.readline()  # until the test has looked at its sockets
-"""
-
-
-def test_the_embedded_defaults_private_ray_listens_on_loopback_only(tmp_path: Path) -> None:
-    """A command on the embedded default (`kvstore demo`, `generate` with nothing started)
-    starts a Ray of its own: it serves that process only, so nothing of it is on the network."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "RAY_"))}
-    env[address.STATE_DIR_ENV] = str(tmp_path / "state")
-    env["RAY_AUTH_MODE"] = "disabled"
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
-    proc = subprocess.Popen([sys.executable, "-c", EMBEDDED], env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "UP"
-        sockets = listening({p.pid for p in process_tree(proc.pid)})
-        assert sockets, "the private Ray listens somewhere"
-        assert [s for s in sockets if not on_loopback(s[0])] == []
-    finally:
-        assert proc.stdin is not None
-        proc.stdin.close()
-        proc.wait(timeout=60)
-
-
 def test_the_demo_stopped_while_starting_listens_on_loopback_and_leaves_nothing(
         tmp_path: Path) -> None:
-    """`kvstore demo` always starts a Ray of its own: on loopback only, as every private one.
-    SIGTERM to its process group while its replicas start (as `timeout` sends it) stops
-    what had started in order: no process of it left, and no arena in /dev/shm."""
+    """`kvstore demo` always starts a Ray of its own, as every command on the embedded default
+    does (`generate` with nothing started; ``lifecycle.ensure_ray``): it serves that process
+    only, so it listens on loopback only. SIGTERM to its process group while its replicas
+    start (as `timeout` sends it) stops what had started in order: no process of it left, and
+    no arena in /dev/shm."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "RAY_"))}
     env[address.STATE_DIR_ENV] = str(tmp_path / "state")
     env["RAY_AUTH_MODE"] = "disabled"
