@@ -307,47 +307,6 @@ def test_start_with_a_disk_tier_status_stop_keeps_it_purge_removes_it(
     assert not disk_dir.exists()
 
 
-def test_start_status_stop(ray_head: dict[str, str]) -> None:
-    env = ray_head
-    started = run_cli("start", "--capacity", "8MiB", env=env)
-    assert started.returncode == 0, started.stderr
-    try:
-        again = run_cli("start", "--capacity", "8MiB", env=env)  # idempotent
-        assert again.returncode == 0, again.stderr
-
-        proc = run_cli("status", "--json", env=env)
-        assert proc.returncode == 0, proc.stderr
-        status = json.loads(proc.stdout)  # exactly one JSON object on stdout
-        assert len(status["nodes"]) == 1
-        node = status["nodes"][0]
-        assert node["capacity_bytes"] == 8 << 20
-        assert node["used_bytes"] == 0 and node["blocks"] == 0
-        assert status["totals"]["capacity_bytes"] == 8 << 20
-
-        table = run_cli("status", env=env)
-        assert table.returncode == 0, table.stderr
-        assert node["node_id"][:12] in table.stdout
-        # piped, so no line is wrapped: each fact stays on its line for grep
-        assert any(line.startswith("security:") and "certificates expire in" in line
-                   for line in table.stdout.splitlines()), table.stdout
-
-        pinned = run_cli("pin", "--soft", "--ttl", "60", "ab" * 32, env=env)
-        assert pinned.returncode == 1  # nobody holds it: nothing pinned, and it says so
-        assert "none of the 1 blocks is cached" in pinned.stderr
-        pinned = run_cli("pin", "--soft", "--ttl", "60", "--ahead", "ab" * 32, env=env)
-        assert pinned.returncode == 0, pinned.stderr
-        assert "pinned 1 of 1 blocks (1 not cached" in pinned.stdout
-    finally:
-        stopped = run_cli("stop", env=env)
-    assert stopped.returncode == 0, stopped.stderr
-    assert not list(Path("/dev/shm").glob(f"kvstore-arena-{node['node_id'][:16]}-*"))
-
-    after = run_cli("status", "--json", env=env)
-    assert after.returncode == 3  # kvstore not running (the CLI's exit-code table)
-    assert "kvstore start" in after.stderr
-    assert len(after.stderr.strip().splitlines()) == 1
-
-
 # -- help: instant, complete ------------------------------------------------------------------
 
 HEAVY = ("torch", "transformers", "ray")
@@ -421,6 +380,9 @@ def _json(proc: subprocess.CompletedProcess[str]) -> dict:
 
 def test_ls_and_pin_by_prompt_name_exactly_what_prefill_published(
         ray_head: dict[str, str], tmp_path: Path) -> None:
+    """An operator's session on one cluster, from `start` (twice: idempotent) through `status`,
+    a prefill, `ls`, `pin`/`unpin`/`invalidate` by prompt and by key, `drain`, to `stop`
+    (its arena gone, `status` then exit 3): one cluster, as each start costs seconds."""
     env = {**ray_head, "COLUMNS": "80"}
     tokens = list(range(1, 50))  # 3 full blocks of 16 and a partial one (no key)
     prompts = tmp_path / "system.jsonl"
@@ -428,6 +390,13 @@ def test_ls_and_pin_by_prompt_name_exactly_what_prefill_published(
     started = run_cli("start", "--capacity", "16MiB", env=env)
     assert started.returncode == 0, started.stderr
     try:
+        again = run_cli("start", "--capacity", "16MiB", env=env)  # idempotent
+        assert again.returncode == 0, again.stderr
+        status = _json(run_cli("status", "--json", env=env))  # exactly one JSON object
+        (node,) = status["nodes"]
+        assert node["capacity_bytes"] == status["totals"]["capacity_bytes"] == 16 << 20
+        assert node["used_bytes"] == 0 and node["blocks"] == 0
+
         filled = run_cli("prefill", "--prompts", str(prompts), "--model", "tiny", env=env,
                          timeout=200)
         assert filled.returncode == 0, filled.stderr[-3000:]
@@ -467,6 +436,9 @@ def test_ls_and_pin_by_prompt_name_exactly_what_prefill_published(
         assert status["top_prefixes"] == [] or len(status["top_prefixes"][0]["key"]) == 64
         table = run_cli("status", env=env)
         assert table.returncode == 0, table.stderr
+        # piped, so no line is wrapped: each fact stays on its line for grep
+        assert any(line.startswith("security:") and "certificates expire in" in line
+                   for line in table.stdout.splitlines()), table.stdout
         # the tables fit 80 columns; the prose lines after them (security, Ray's reach) are
         # never wrapped off a terminal, whatever their length (grep finds them whole)
         prose = ("total:", "security:", "ray:", "WARNING", "drift", "numerics:")
@@ -487,6 +459,19 @@ def test_ls_and_pin_by_prompt_name_exactly_what_prefill_published(
         assert f"draining {node_id}: 0 blocks" in drained.stdout
         unknown = run_cli("drain", "zz-no-such-node", env=env)
         assert unknown.returncode == 2 and "no node id starts with" in unknown.stderr
+
+        pinned = run_cli("pin", "--soft", "--ttl", "60", "ab" * 32, env=env)
+        assert pinned.returncode == 1  # nobody holds it: nothing pinned, and it says so
+        assert "none of the 1 blocks is cached" in pinned.stderr
+        pinned = run_cli("pin", "--soft", "--ttl", "60", "--ahead", "ab" * 32, env=env)
+        assert pinned.returncode == 0, pinned.stderr
+        assert "pinned 1 of 1 blocks (1 not cached" in pinned.stdout
     finally:
         stopped = run_cli("stop", env=env)
     assert stopped.returncode == 0, stopped.stderr
+    assert not list(Path("/dev/shm").glob(f"kvstore-arena-{node_id[:16]}-*"))
+
+    after = run_cli("status", "--json", env=env)
+    assert after.returncode == 3  # kvstore not running (the CLI's exit-code table)
+    assert "kvstore start" in after.stderr
+    assert len(after.stderr.strip().splitlines()) == 1
