@@ -6,6 +6,10 @@ address in this namespace is how another machine on the network would reach this
 there, no port that the head's processes listen on (the GCS, the raylet, the store node's gRPC
 and bulk ports, the coordinator's index service, ...) accepts a connection; a listener of the
 test's own on every interface does, so the path itself is known to work.
+
+A head's end is not its guests' end: a process that joined it (vLLM's, through the connector)
+goes on after it stops. That check waits out Ray's minute without a GCS, under this module's
+other tests (``guest_of_a_stopped_head``; the check is the module's last test).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from kvstore.node import arena_files
 from tests.multihost import netns
 from tests.support.processes import kill_survivors, process_tree
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("guest_of_a_stopped_head")]
 
 KVSTORE = [sys.executable, "-m", "kvstore.cli.main"]
 
@@ -47,6 +51,64 @@ for port in ports:
         seen[port] = type(exc).__name__
 print(json.dumps(seen))
 """
+
+
+#: A guest of a cluster: it joins the head, is up a while, says so, and once told the head
+#: is gone, sleeps past Ray's minute without a GCS and says it is still there.
+GUEST = """
+import sys, time
+from kvstore.cluster.host_signals import outlive_the_cluster
+from kvstore.cluster.lifecycle import ensure_ray
+outlive_the_cluster()  # what the vLLM connector does before it joins
+ensure_ray(sys.argv[1], start_local=False)
+import ray
+ray.nodes()
+time.sleep(5)  # up a while, as an instance is: one whose GCS goes within moments of
+# joining was still ended once (Ray judges a connection by when it last saw it up)
+print("UP", flush=True)
+sys.stdin.readline()  # the cluster is gone now
+time.sleep(64)  # past Ray's minute without its GCS (gone before this line)
+print("ALIVE", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def guest_of_a_stopped_head(tmp_path_factory: pytest.TempPathFactory
+                            ) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """A process that joined a head as `kvstore start` makes it, that head stopped under it:
+    the process and its log. Its minute runs while the module's other tests do."""
+    work = tmp_path_factory.mktemp("guest")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "RAY_"))}
+    env.update(KVSTORE_STATE_DIR=str(work / "state"), RAY_AUTH_MODE="disabled",
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]), **head.LOOPBACK_ENV)
+    before = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    try:
+        cluster = head.start_head()
+    finally:
+        if before is None:
+            os.environ.pop("RAY_AUTH_MODE")
+        else:
+            os.environ["RAY_AUTH_MODE"] = before
+    log_path = work / "guest.log"
+    with open(log_path, "w") as log:  # a file: nobody reads a pipe while other tests run
+        proc = subprocess.Popen([sys.executable, "-c", GUEST, cluster.address], env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                text=True)
+    try:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "UP", \
+                log_path.read_text()[-2000:]
+        finally:
+            head.stop_head(cluster)
+        assert proc.stdin is not None
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        yield proc, log_path
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -212,3 +274,16 @@ def test_a_zombie_head_counts_as_gone_and_a_live_one_does_not() -> None:
         live.wait()
         dead.wait()
     assert not head.is_running(dead.pid)  # reaped: no such process at all
+
+
+@pytest.mark.ray
+def test_a_guest_process_outlives_the_head_it_joined(
+        guest_of_a_stopped_head: tuple[subprocess.Popen[str], Path]) -> None:
+    """Ray ends a process whose cluster's GCS has been gone a minute; a process kvstore is a
+    guest in (vLLM's, through the connector) must go on serving, recomputing what it cannot
+    load. Without ``outlive_the_cluster`` this process dies ~60 s after the head. (Last in
+    the module: the other tests ran during its minute.)"""
+    proc, log_path = guest_of_a_stopped_head
+    out, _ = proc.communicate(timeout=150)
+    assert out.split() == ["ALIVE"], log_path.read_text()[-2000:]
+    assert proc.returncode == 0, log_path.read_text()[-2000:]
