@@ -81,15 +81,9 @@ def guest_of_a_stopped_head(tmp_path_factory: pytest.TempPathFactory
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSTORE_", "RAY_"))}
     env.update(KVSTORE_STATE_DIR=str(work / "state"), RAY_AUTH_MODE="disabled",
                PYTHONPATH=str(Path(__file__).resolve().parents[2]), **head.LOOPBACK_ENV)
-    before = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    try:
+    with pytest.MonkeyPatch.context() as patch:  # the head's auth mode, the guest's too
+        patch.setenv("RAY_AUTH_MODE", "disabled")
         cluster = head.start_head()
-    finally:
-        if before is None:
-            os.environ.pop("RAY_AUTH_MODE")
-        else:
-            os.environ["RAY_AUTH_MODE"] = before
     log_path = work / "guest.log"
     with open(log_path, "w") as log:  # a file: nobody reads a pipe while other tests run
         proc = subprocess.Popen([sys.executable, "-c", GUEST, cluster.address], env=env,
